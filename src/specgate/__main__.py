@@ -1,0 +1,3 @@
+from specgate.cli.main import main
+
+main()
