@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,9 +19,6 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
-
-bench: $(STAMP)
-	$(PY) bench/run_all.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

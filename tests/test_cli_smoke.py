@@ -8,3 +8,22 @@ def test_help_runs():
     out = subprocess.run([sys.executable, "-m", "specgate", "--help"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "specgate" in out.stdout.lower()
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "specgate", *args], capture_output=True, text=True)
+
+
+def test_usage_errors_are_one_line_with_exit_2():
+    for args in (["model", "--alpha", "0.7", "--gamma", "2.5", "--c", "0.1"], ["no-such-command"]):
+        out = _run(*args)
+        assert out.returncode == 2, (args, out)
+        assert "Traceback" not in out.stderr
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
+
+
+def test_no_arguments_prints_help():
+    out = _run()
+    assert out.returncode == 0
+    assert "Usage" in out.stdout

@@ -10,6 +10,11 @@ import sys
 
 import typer
 
+try:  # typer >= 0.2x vendors its own copy of click; older releases use click itself
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import exceptions as click_exceptions
+
 from specgate.cli import common, engine_cmds, theory_cmds, verify_cmds
 
 app = typer.Typer(
@@ -34,16 +39,22 @@ for module in (theory_cmds, verify_cmds, engine_cmds):
     module.register(app)
 
 
-def main() -> None:
-    """Run the CLI; turn user errors (ValueError, FileNotFoundError) into one clean line and exit 2."""
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI; usage and input errors become one `error: ...` line and exit status 2, never a traceback."""
+    command = typer.main.get_command(app)
     try:
-        app(standalone_mode=True)
-    except common.UserError as exc:
-        common.fail(str(exc))
-    except (ValueError, FileNotFoundError) as exc:
-        common.fail(str(exc))
+        result = command.main(args=argv, prog_name="specgate", standalone_mode=False)
+    except click_exceptions.NoArgsIsHelpError as exc:
+        common.console.print(exc.ctx.get_help() if exc.ctx else str(exc), highlight=False)
+        sys.exit(0)
+    except click_exceptions.UsageError as exc:
+        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
+        common.fail(exc.format_message().replace("\n", " ") + hint)
+    except (common.UserError, ValueError, FileNotFoundError) as exc:
+        common.fail(str(exc).replace("\n", " "))
     except KeyboardInterrupt:
         sys.exit(130)
+    sys.exit(result if isinstance(result, int) else 0)
 
 
 if __name__ == "__main__":
