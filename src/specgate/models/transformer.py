@@ -1,0 +1,372 @@
+"""The decoder-only transformer, in one file (nanoGPT / gpt-fast style): Llama, Mistral, Qwen2 and Gemma-3 text.
+
+The four families differ only in a handful of switches, collected in ModelArgs:
+- Llama: RMSNorm(w * x), SwiGLU MLP, RoPE (default / linear / llama3 scaling), optional biases.
+- Mistral: Llama with a sliding window on every layer.
+- Qwen2: Llama with q/k/v biases, sliding window on the layers that `layer_types` marks.
+- Gemma-3: RMSNorm((1 + w) * x), embeddings scaled by sqrt(hidden) (in the model dtype), RMSNorm on q and k,
+  attention scale query_pre_attn_scalar**-0.5, norms before and after both attention and MLP, GeGLU with the
+  tanh gelu, sliding-window local layers with their own RoPE base, optional final-logit soft-capping, tied
+  head. Like transformers' Gemma3 (the reference), attn_logit_softcapping is not applied: Gemma-3 replaced
+  Gemma-2's attention soft-capping with the q/k norms, and its configs set it to null.
+
+Attention reads keys from the position-indexed KVCache: the query at position p of a slot sees the slot's keys
+at positions <= p (and > p - window on sliding layers). Everything else (padding, stale drafts past p) is masked
+by position, so one call can score a ragged batch of rows with different lengths and start positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specgate.models.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Architecture of one model, read from a Hugging Face config by from_hf_config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm_eps: float
+    activation: str
+    attn_scale: float  # multiplies q . k
+    layer_windows: tuple[int | None, ...]  # per layer: sliding window (keys with pos > p - window) or None
+    layer_rope: tuple[str, ...]  # per layer: key into rope_parameters
+    rope_parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    gemma_norms: bool = False  # (1 + w) RMSNorm, q/k norms, pre/post norms around attention and MLP
+    embed_scale: float | None = None
+    tie_word_embeddings: bool = False
+    final_logit_softcapping: float | None = None
+
+    @staticmethod
+    def from_hf_config(config: Any) -> "ModelArgs":
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            hint = " (a multimodal Gemma-3 checkpoint: use its text model, model_type 'gemma3_text')" if model_type == "gemma3" else ""
+            raise ValueError(
+                f"model_type '{model_type}' is not supported{hint}: supported model types are "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        num_layers = config.num_hidden_layers
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
+        sliding_window = getattr(config, "sliding_window", None)
+        if model_type == "mistral":  # Mistral: every layer slides when sliding_window is set
+            windows = [sliding_window] * num_layers
+        else:
+            windows = [sliding_window if kind == "sliding_attention" else None for kind in layer_types]
+        rope = dict(config.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        if "full_attention" in rope or "sliding_attention" in rope:  # Gemma-3: one RoPE per layer type
+            rope_parameters, layer_rope = rope, layer_types
+        else:
+            rope_parameters, layer_rope = {"all": rope}, ["all"] * num_layers
+        common = dict(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=num_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=head_dim,
+            max_position_embeddings=config.max_position_embeddings,
+            norm_eps=config.rms_norm_eps,
+            layer_windows=tuple(windows),
+            layer_rope=tuple(layer_rope),
+            rope_parameters=rope_parameters,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+        if model_type == "gemma3_text":
+            if getattr(config, "use_bidirectional_attention", False):
+                raise ValueError("use_bidirectional_attention=True (an encoder config) is not a causal LM: load a causal Gemma-3")
+            bias = bool(getattr(config, "attention_bias", False))
+            return ModelArgs(
+                **common,
+                activation=config.hidden_activation,
+                attn_scale=config.query_pre_attn_scalar**-0.5,
+                qkv_bias=bias,
+                o_bias=bias,
+                gemma_norms=True,
+                embed_scale=config.hidden_size**0.5,
+                final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+            )
+        bias = bool(getattr(config, "attention_bias", False))
+        return ModelArgs(
+            **common,
+            activation=config.hidden_act,
+            attn_scale=head_dim**-0.5,
+            qkv_bias=True if model_type == "qwen2" else bias,
+            o_bias=False if model_type == "qwen2" else bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        )
+
+
+def rope_inv_freq(params: dict[str, Any], head_dim: int) -> Tensor:
+    """Inverse frequencies [head_dim / 2] float32 for a rope_parameters dict (types default, linear, llama3)."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type '{rope_type}' is not supported: supported RoPE types are {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported: only 1.0 (RoPE on the whole head)")
+    base = params.get("rope_theta", 10000.0)
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))  # [D/2]
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_context = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)  # long waves: divided by factor
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, D]; cos, sin [B, 1, T, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32. Llama: w * x̂ (cast first). Gemma: (1 + w) * x̂ (cast last), weights stored as w."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool) -> None:
+        super().__init__()
+        self.eps, self.gemma = eps, gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (normed * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * normed.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (tanh gelu)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        if args.activation not in _ACTIVATIONS:
+            raise ValueError(f"activation '{args.activation}' is not supported: supported are {', '.join(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[args.activation]
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = args.attn_scale
+        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
+        if args.gemma_norms:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, gemma=True)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, gemma=True)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, batch: "Batch") -> Tensor:
+        """x [B, T, H]; rope: cos, sin [B, 1, T, D]; mask [B, 1, T, L] bool (True = attend)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H_q, T, D]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        batch.cache.write(self.layer, batch.slots, batch.positions, k, v)
+        keys, values = batch.cache.read(self.layer, batch.slots, batch.kv_length, batch.contiguous_from)  # [B, H_kv, L, D]
+        gqa = self.num_heads != self.num_kv_heads  # each group of query heads shares one KV head
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)  # [B, H_q, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))  # [B, T, H]
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.gemma = args.gemma_norms
+        self.self_attn = Attention(args, layer)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.norm_eps, args.gemma_norms)
+        # Llama names its pre-MLP norm post_attention_layernorm; Gemma-3 uses that name for the norm of the
+        # attention output and adds pre/post feedforward norms. Names follow the checkpoints.
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.norm_eps, args.gemma_norms)
+        if self.gemma:
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.norm_eps, gemma=True)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.norm_eps, gemma=True)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, batch: "Batch") -> Tensor:
+        if self.gemma:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, batch))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class Batch:
+    """What every attention layer of one forward call needs about the batch."""
+
+    cache: KVCache
+    slots: Tensor  # [B] int64
+    positions: Tensor  # [B, T] int64, -1 = pad
+    kv_length: int  # keys 0..kv_length-1 are read (max position in the batch + 1)
+    contiguous_from: int | None  # first slot when slots are consecutive (read views, not copies)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM with a position-indexed KV cache. See forward for the calling convention."""
+
+    def __init__(self, args: ModelArgs, config: Any = None) -> None:
+        super().__init__()
+        self.args = args
+        self.config = config  # the Hugging Face config it was built from (read-only)
+        self.vocab_size = args.vocab_size
+        self.max_position_embeddings = args.max_position_embeddings
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.norm_eps, args.gemma_norms)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.inv_freq = {key: rope_inv_freq(params, args.head_dim) for key, params in args.rope_parameters.items()}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+        """A zeroed cache of num_slots sequences of up to max_seq_len positions (<= max_position_embeddings)."""
+        if max_seq_len > self.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={self.max_position_embeddings}: "
+                "use a shorter prompt or fewer new tokens"
+            )
+        a = self.args
+        return KVCache(a.num_layers, num_slots, a.num_kv_heads, max_seq_len, a.head_dim, dtype=self.dtype, device=self.device)
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
+        """cos, sin [B, 1, T, D] per RoPE key, computed in float32 and cast like the reference does."""
+        out = {}
+        for key, inv_freq in self.inv_freq.items():
+            freqs = positions.clamp(min=0)[..., None].float() * inv_freq.to(positions.device)  # [B, T, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+            out[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return out
+
+    def _masks(self, positions: Tensor, kv_length: int) -> dict[int | None, Tensor]:
+        """Boolean masks [B, 1, T, L] per window size: key j is visible to a query at p iff j <= p (and j > p - w)."""
+        query = positions[:, None, :, None]  # [B, 1, T, 1]
+        key = torch.arange(kv_length, device=positions.device)  # [L]
+        causal = key <= query  # [B, 1, T, L]
+        pad = query < 0  # [B, 1, T, 1]: pad queries look at key 0 so no row is all -inf (NaN); their output is discarded
+        masks = {}
+        for window in set(self.args.layer_windows):
+            mask = causal if window is None else causal & (key > query - window)
+            masks[window] = mask | (pad & (key == 0))
+        return masks
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        slots: Tensor,
+        *,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Score a (ragged) batch and write its K/V into the cache.
+
+        input_ids [B, T] int64; positions [B, T] int64 absolute positions, -1 = padding (not written, not
+        attended, its logits are garbage); slots [B] int64 distinct cache rows. Each row's non-pad positions
+        must be distinct, and every position below a query's own must already be in its slot (written by an
+        earlier call or by this one). Returns logits [B, T, V] float32, or [B, V] with last_only (each row's
+        last non-pad token); with return_hidden, (logits, hidden) with the final-norm hidden state [B, T, H]
+        (or [B, H] with last_only).
+        """
+        if input_ids.dim() != 2 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must both be [B, T]"
+            )
+        if slots.shape != (input_ids.shape[0],):
+            raise ValueError(f"slots {tuple(slots.shape)} must be [B] = [{input_ids.shape[0]}], one cache row per batch row")
+        cache.check(positions, slots)
+        valid = positions >= 0  # [B, T]
+        input_ids = torch.where(valid, input_ids, 0)  # pad ids may be anything (e.g. -1)
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
+            bad = int(input_ids.min()) if int(input_ids.min()) < 0 else int(input_ids.max())
+            raise ValueError(f"token id {bad} is out of range 0..{self.vocab_size - 1} (the model's vocabulary)")
+        slot_list = slots.tolist()
+        if len(set(slot_list)) != len(slot_list):
+            raise ValueError(f"slots {slot_list} repeat a cache row: each batch row needs its own slot")
+        contiguous = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))) if slot_list else False
+        kv_length = max(int(positions.max()) + 1, 1) if positions.numel() else 1
+        batch = Batch(cache, slots, positions, kv_length, slot_list[0] if contiguous else None)
+
+        x = self.embed_tokens(input_ids)  # [B, T, H]
+        if self.args.embed_scale is not None:  # Gemma: the scale is rounded to the model dtype first
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        ropes = self._rope(positions, x.dtype)
+        masks = self._masks(positions, kv_length)
+        for layer, block in enumerate(self.layers):
+            x = block(x, ropes[self.args.layer_rope[layer]], masks[self.args.layer_windows[layer]], batch)
+        hidden = self.norm(x)  # [B, T, H]
+
+        if last_only:
+            steps = torch.arange(positions.shape[1], device=positions.device)  # [T]
+            last = torch.where(valid, steps, -1).max(dim=1).values.clamp(min=0)  # [B]
+            hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
+        logits = self.lm_head(hidden).float()  # [B, T, V] or [B, V]
+        if self.args.final_logit_softcapping is not None:
+            cap = self.args.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return (logits, hidden) if return_hidden else logits
