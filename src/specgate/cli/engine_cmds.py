@@ -1,7 +1,115 @@
-"""Command module: fill in `register`."""
+"""`specgate generate`: one request through the speculative engine, streamed or as one JSON object."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
+from specgate.cli import common
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise common.UserError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise common.UserError(f"--prompt-file {prompt_file}: no such file; pass a path to a UTF-8 text file")
+        prompt = prompt_file.read_text(encoding="utf-8")
+    return prompt
+
+
+def _stats_line(stats) -> str:
+    """The live line under the streamed text: tokens, steps, AL, AR, tokens/s."""
+
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    return (
+        f"[dim]{stats.new_tokens} tokens | {stats.iterations} steps | AL {fmt(stats.acceptance_length, '.2f')} | "
+        f"AR {fmt(stats.acceptance_rate, '.2f')} | {fmt(stats.tokens_per_s, '.1f')} tok/s[/]"
+    )
+
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to `app`."""
+    """Add `generate` to `app`."""
+
+    @app.command()
+    def generate(
+        target: str = typer.Option("gemma-3-270m", help="Target model: gemma-3-270m, an HF directory, or a .gguf file."),
+        draft: str = typer.Option(
+            "ngram",
+            help="Drafter: none (target only), ngram (prompt lookup), default (the target's draft), a draft model PATH, "
+            "or synthetic:AL=3 / synthetic:0.9,0.8 (LOSSY, cost studies only).",
+        ),
+        gamma: int = typer.Option(4, help="Draft tokens per step (>= 0; use 0 with --draft none for the baseline)."),
+        temperature: float = typer.Option(
+            0.0, help="Sampling temperature; 0 = greedy (transformers' default, do_sample=False), reproducible."
+        ),
+        top_k: int = typer.Option(0, help="Keep the k most likely tokens (0 = off)."),
+        top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1.0 = off)."),
+        max_new_tokens: int = typer.Option(128, help="Most tokens to generate."),
+        seed: int = typer.Option(0, help="Request seed: the same seed gives the same output."),
+        prompt: str = typer.Option(None, help="Prompt text."),
+        prompt_file: Path = typer.Option(None, help="Read the prompt from this UTF-8 file."),
+        stop: list[str] = typer.Option(None, help="Stop string (repeatable); the output ends before it."),
+        dtype: str = typer.Option("float32", help="Weights dtype for target and draft: float32 or bfloat16."),
+        json_output: bool = typer.Option(False, "--json", help="Print one JSON object {tokens, text, stats}."),
+    ) -> None:
+        """Generate text with speculative decoding (exact: the output follows the target's distribution)."""
+        import torch
+
+        from specgate.drafting import make_drafter
+        from specgate.engine import generate as run_generate
+        from specgate.models import load_model
+        from specgate.sampling import SamplingParams
+
+        text = _read_prompt(prompt, prompt_file)
+        if dtype not in DTYPES:
+            raise common.UserError(f"--dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
+        if gamma < 0:
+            raise common.UserError(f"--gamma {gamma} is invalid: use gamma >= 0 (0 = no drafting)")
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        torch_dtype = getattr(torch, dtype)
+        target_model = load_model(target, dtype=torch_dtype)
+        drafter = make_drafter(draft, target_model, dtype=torch_dtype, gamma=gamma)
+        if drafter.name == "none" and gamma > 0:
+            gamma = 0  # nothing to draft: report the run as the baseline it is
+        kwargs = dict(seed=seed, max_new_tokens=max_new_tokens, stop=stop or None)
+
+        if json_output:
+            result = run_generate(text, target_model, drafter, gamma, params, **kwargs)
+            common.print_json(result.to_dict())
+            return
+
+        from rich.console import Group
+        from rich.live import Live
+        from rich.text import Text
+
+        streamed = Text()
+        status = Text.from_markup("[dim]prefill...[/]")
+        with Live(Group(streamed, status), console=common.console, refresh_per_second=8, vertical_overflow="visible") as live:
+
+            def on_text(delta: str) -> None:
+                streamed.append(delta)
+
+            def on_step(stats) -> None:
+                status.truncate(0)
+                status.append_text(Text.from_markup(_stats_line(stats)))
+                live.refresh()
+
+            result = run_generate(text, target_model, drafter, gamma, params, on_text=on_text, on_step=on_step, **kwargs)
+            stats = result.stats
+            speedup = f" | predicted speedup {stats.predicted_speedup:.2f}x" if stats.predicted_speedup is not None else ""
+            on_step(stats)
+            status.append_text(
+                Text.from_markup(
+                    f"\n[dim]finish: {stats.finish_reason} | drafter {stats.drafter}, gamma {stats.gamma} | "
+                    f"lossless {stats.lossless} | wall {stats.wall_s:.2f} s{speedup}[/]"
+                )
+            )
+            live.refresh()
+        if not common.console.is_terminal:
+            common.console.line()

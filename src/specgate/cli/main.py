@@ -15,7 +15,7 @@ try:  # typer >= 0.2x vendors its own copy of click; older releases use click it
 except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as click_exceptions
 
-from specgate.cli import common, engine_cmds, theory_cmds, verify_cmds
+from specgate.cli import common, engine_cmds, serve_cmds, theory_cmds, verify_cmds
 
 app = typer.Typer(
     name="specgate",
@@ -35,7 +35,7 @@ def version() -> None:
     common.console.print(__version__)
 
 
-for module in (theory_cmds, verify_cmds, engine_cmds):
+for module in (theory_cmds, verify_cmds, engine_cmds, serve_cmds):
     module.register(app)
 
 

@@ -1,0 +1,61 @@
+"""`specgate serve`: the OpenAI-compatible server with continuous batching and a speculation policy."""
+
+from __future__ import annotations
+
+import typer
+
+from specgate.cli import common
+
+
+def register(app: typer.Typer) -> None:
+    """Add `serve` to `app`."""
+
+    @app.command()
+    def serve(
+        target: str = typer.Option("gemma-3-270m", help="Target model: gemma-3-270m, an HF directory, or a .gguf file."),
+        draft: str = typer.Option("ngram", help="Drafter: none, ngram (prompt lookup), default (the target's registered draft), or a draft model name / PATH sharing the target's tokenizer."),
+        host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default; 0.0.0.0 exposes the server)."),
+        port: int = typer.Option(8000, help="TCP port (0 = any free port, printed at start)."),
+        policy: str = typer.Option("adaptive", help="Speculation policy: adaptive (calibrated goodput model), fixed, table, off."),
+        gamma: int = typer.Option(4, help="Draft tokens per step for --policy fixed; the largest gamma --policy adaptive may pick."),
+        gamma_table: str = typer.Option(None, help="--policy table: per-batch-size gamma, e.g. '1-4:4,5-8:2,9-64:0'."),
+        api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise)."),
+        max_num_seqs: int = typer.Option(8, help="KV slots: requests decoded at once."),
+        max_waiting: int = typer.Option(64, help="Requests allowed to wait for a slot; more get HTTP 429."),
+        max_seq_len: int = typer.Option(1024, help="Positions per KV slot: prompt + max_tokens must fit."),
+        served_model_name: str = typer.Option(None, help="Model id reported by /v1/models (default: the target's name)."),
+        dtype: str = typer.Option("float32", help="Weights dtype for target and draft: float32 or bfloat16."),
+        lossy: str = typer.Option(None, help="LOSSY verification for cost studies: typical (Medusa) or synthetic:0.8,0.6 (fixed acceptance rates); metrics say lossless=\"false\"."),
+        json_output: bool = typer.Option(False, "--json", help="Print one JSON object {url, host, port, model, policy} once listening."),
+    ) -> None:
+        """Serve TARGET with speculative decoding behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
+        from specgate.serving.server import ServerConfig, build_engine
+        from specgate.serving.server import serve as run_server
+
+        config = ServerConfig(
+            target=target, draft=draft, host=host, port=port, policy=policy, gamma=gamma, gamma_table=gamma_table,
+            api_key=api_key, max_num_seqs=max_num_seqs, max_waiting=max_waiting, max_seq_len=max_seq_len,
+            served_model_name=served_model_name, dtype=dtype, lossy=lossy,
+        )
+        config.validate()
+        if policy == "table" and not gamma_table:
+            raise common.UserError("--policy table needs --gamma-table, e.g. '1-4:4,5-8:2,9-64:0'")
+        with common.err_console.status(f"loading {target} and preparing the {policy} policy"):
+            engine = build_engine(config)
+
+        def on_ready(bound_host: str, bound_port: int) -> None:
+            url = f"http://{bound_host}:{bound_port}"
+            info = {
+                "url": url, "host": bound_host, "port": bound_port, "model": engine.model_name,
+                "draft": engine.scheduler.draft_name, "policy": engine.scheduler.policy.describe(),
+                "lossless": lossy is None, "max_num_seqs": max_num_seqs, "max_waiting": max_waiting, "max_seq_len": engine.scheduler.max_seq_len,
+            }
+            if json_output:
+                common.print_json(info)
+            else:
+                common.err_console.print(
+                    f"specgate serving [bold]{engine.model_name}[/] (draft {info['draft']}, policy {policy}) at {url}/v1",
+                    highlight=False,
+                )
+
+        run_server(config, engine, on_ready=on_ready)

@@ -1,0 +1,184 @@
+"""Draft with a small language model that shares the target's tokenizer (optionally over a subset vocabulary).
+
+q is the distribution each draft token is actually sampled from: the draft's logits processed with the SAME
+SamplingParams as the target's (temperature, top-k, top-p), placed on the target's vocabulary. A draft whose
+output vocabulary is a subset of the target's (EAGLE-3 / FR-Spec) ships an id map `d2t` in
+`draft_vocab_map.safetensors` next to its weights: d2t[i] is the target id of draft output i (absolute ids).
+Its q is scattered into the target vocabulary with zeros elsewhere; the result stays exact because the target
+verifies over its full vocabulary and the residual (p - q)+ gives the other tokens their mass. Context tokens
+outside the draft vocabulary are fed to the draft as its unknown (or id 0) token: that can only lower
+acceptance, never exactness.
+
+The drafter keeps its own KV cache (one CausalLM slot, positions absolute), so drafts the target rejected need
+no undo: the cache remembers which token it holds at each position and re-feeds from the first disagreement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specgate.drafting.base import DraftProposal, Drafter
+
+VOCAB_MAP_FILE = "draft_vocab_map.safetensors"
+VOCAB_MAP_KEY = "d2t"
+
+
+def check_same_tokenizer(draft: Any, target: Any) -> None:
+    """Refuse a draft whose tokenizer differs from the target's (vocabulary dict or special tokens)."""
+    draft_vocab, target_vocab = draft.tokenizer.get_vocab(), target.tokenizer.get_vocab()
+    fix = (
+        "speculative decoding needs the target's tokenizer: pick a draft from the same model family, "
+        f"or a subset-vocabulary draft that ships the target's tokenizer and a {VOCAB_MAP_FILE} id map"
+    )
+    if draft_vocab != target_vocab:
+        differing = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(
+            f"draft '{draft.name}' has a different tokenizer from target '{target.name}' "
+            f"({len(draft_vocab)} vs {len(target_vocab)} entries; first differences {differing}): {fix}"
+        )
+    for attribute in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        draft_id, target_id = getattr(draft.tokenizer, attribute, None), getattr(target.tokenizer, attribute, None)
+        if draft_id != target_id:
+            raise ValueError(
+                f"draft '{draft.name}' has {attribute}={draft_id} but target '{target.name}' has {target_id}: {fix}"
+            )
+
+
+def load_vocab_map(draft_dir: Path | None, draft_vocab_size: int, target_vocab_size: int) -> Tensor | None:
+    """d2t [V_d] int64 from draft_dir/draft_vocab_map.safetensors, validated; None if the file is absent."""
+    if draft_dir is None or not (Path(draft_dir) / VOCAB_MAP_FILE).is_file():
+        return None
+    from safetensors.torch import load_file
+
+    path = Path(draft_dir) / VOCAB_MAP_FILE
+    tensors = load_file(str(path))
+    if VOCAB_MAP_KEY not in tensors:
+        raise ValueError(f"{path} has no tensor '{VOCAB_MAP_KEY}' (keys {sorted(tensors)}): store the draft->target id map under '{VOCAB_MAP_KEY}'")
+    d2t = tensors[VOCAB_MAP_KEY]
+    if d2t.dim() != 1 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise ValueError(f"{path}: '{VOCAB_MAP_KEY}' must be a 1-D integer tensor, got shape {tuple(d2t.shape)} dtype {d2t.dtype}")
+    d2t = d2t.to(torch.int64)
+    if d2t.numel() != draft_vocab_size:
+        raise ValueError(
+            f"{path}: '{VOCAB_MAP_KEY}' has {d2t.numel()} entries but the draft has {draft_vocab_size} output tokens: "
+            "the map needs exactly one target id per draft output"
+        )
+    bad = (d2t < 0) | (d2t >= target_vocab_size)
+    if bool(bad.any()):
+        index = int(bad.nonzero()[0])
+        raise ValueError(
+            f"{path}: '{VOCAB_MAP_KEY}'[{index}] = {int(d2t[index])} is outside the target vocabulary 0..{target_vocab_size - 1}"
+        )
+    if torch.unique(d2t).numel() != d2t.numel():
+        values, counts = torch.unique(d2t, return_counts=True)
+        duplicate = int(values[counts > 1][0])
+        raise ValueError(f"{path}: '{VOCAB_MAP_KEY}' maps several draft ids to target id {duplicate}: the map must be one-to-one")
+    return d2t
+
+
+class ModelDrafter(Drafter):
+    """Sample gamma draft tokens autoregressively from a small LM (gamma draft forward passes per step)."""
+
+    def __init__(self, draft: Any, target: Any, name: str | None = None) -> None:
+        check_same_tokenizer(draft, target)
+        self.draft = draft
+        self.name = name or f"model:{draft.name}"
+        draft_vocab, target_vocab = int(draft.model.vocab_size), int(target.model.vocab_size)
+        self.target_vocab_size = target_vocab
+        d2t = load_vocab_map(getattr(draft, "path", None), draft_vocab, target_vocab)
+        if d2t is None:
+            # same tokenizer, maybe different padding rows: only ids both models have can be drafted
+            d2t = torch.arange(min(draft_vocab, target_vocab), dtype=torch.int64)
+        self.d2t = d2t  # [V_d'] draft output id -> target id
+        self.identity_map = bool(d2t.numel() == target_vocab and torch.equal(d2t, torch.arange(target_vocab)))
+        self.t2d = torch.zeros(target_vocab, dtype=torch.int64)  # [V_t] target id -> draft input id
+        self.t2d[d2t] = torch.arange(d2t.numel(), dtype=torch.int64)
+        unknown = getattr(draft.tokenizer, "unk_token_id", None)
+        if unknown is not None and 0 <= unknown < target_vocab and bool((d2t == unknown).any()):
+            fallback = self.t2d[unknown].clone()
+            unmapped = torch.ones(target_vocab, dtype=torch.bool)
+            unmapped[d2t] = False
+            self.t2d[unmapped] = fallback
+        self.num_outputs = d2t.numel()
+
+    def begin(self, prompt_ids, params, generator, max_seq_len) -> None:
+        super().begin(prompt_ids, params, generator, max_seq_len)
+        limit = int(self.draft.model.max_position_embeddings)
+        if max_seq_len > limit:
+            raise ValueError(
+                f"the request needs {max_seq_len} positions but draft '{self.draft.name}' supports {limit}: "
+                "lower max_new_tokens or shorten the prompt"
+            )
+        self.cache = self.draft.model.new_cache(1, max_seq_len)
+        self.slots = torch.zeros(1, dtype=torch.int64)  # [1]
+        self.cached_tokens = torch.full((max_seq_len,), -1, dtype=torch.int64)  # [S] target id held at each position
+
+    def _forward(self, target_ids: Tensor, start: int) -> Tensor:
+        """Feed target_ids [T] at positions start.. into the draft cache; logits of the last one [V_d']."""
+        positions = torch.arange(start, start + target_ids.numel(), dtype=torch.int64)[None]  # [1, T]
+        logits = self.draft.model.forward(self.t2d[target_ids][None], positions, self.cache, self.slots, last_only=True)
+        self.cached_tokens[start : start + target_ids.numel()] = target_ids
+        return logits[0, : self.num_outputs]  # [V_d']
+
+    def _sample(self, logits: Tensor) -> tuple[int, Tensor | None]:
+        """One draft token (target id) and its q over the target vocabulary [V_t] (None when greedy)."""
+        from specgate.sampling import logits_to_probs
+
+        if self.params.greedy:
+            return int(self.d2t[int(torch.argmax(logits))]), None
+        probs = logits_to_probs(logits.float(), self.params)  # [V_d']
+        draft_id = int(torch.multinomial(probs, 1, generator=self.generator))
+        if self.identity_map:
+            return draft_id, probs
+        draft_probs = torch.zeros(self.target_vocab_size, dtype=probs.dtype)  # [V_t]
+        draft_probs[self.d2t] = probs
+        return int(self.d2t[draft_id]), draft_probs
+
+    def sample_batch(self, contexts: Tensor, gamma: int, params: Any, generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+        """Draft gamma tokens for B equal-length contexts [B, T] at once (own cache, B slots).
+
+        Returns tokens [B, G] int64 (target ids) and q [B, G, V_t] float32 (None when greedy): the same sampler
+        as propose(), batched, for statistical checks and batching engines.
+        """
+        from specgate.sampling import logits_to_probs
+
+        batch, length = contexts.shape
+        cache = self.draft.model.new_cache(batch, length + gamma)
+        slots = torch.arange(batch, dtype=torch.int64)  # [B]
+        positions = torch.arange(length, dtype=torch.int64)[None].expand(batch, length)  # [B, T]
+        logits = self.draft.model.forward(self.t2d[contexts], positions, cache, slots, last_only=True)  # [B, V_d]
+        tokens = torch.empty(batch, gamma, dtype=torch.int64)  # [B, G]
+        draft_probs = None if params.greedy else torch.zeros(batch, gamma, self.target_vocab_size)  # [B, G, V_t]
+        for i in range(gamma):
+            logits = logits[:, : self.num_outputs].float()  # [B, V_d']
+            if params.greedy:
+                draft_ids = logits.argmax(-1)  # [B]
+            else:
+                probs = logits_to_probs(logits, params)  # [B, V_d']
+                draft_ids = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]
+                draft_probs[:, i, self.d2t] = probs
+            tokens[:, i] = self.d2t[draft_ids]
+            if i + 1 < gamma:
+                step_positions = torch.full((batch, 1), length + i, dtype=torch.int64)  # [B, 1]
+                logits = self.draft.model.forward(self.t2d[tokens[:, i : i + 1]], step_positions, cache, slots, last_only=True)
+        return tokens, draft_probs
+
+    def propose(self, context_ids: Tensor, gamma: int) -> DraftProposal:
+        length = int(context_ids.numel())
+        # the cache is valid up to the first position whose token differs from the context (a rejected draft)
+        differs = (self.cached_tokens[:length] != context_ids).nonzero()
+        valid = min(int(differs[0]) if differs.numel() else length, length - 1)  # always feed >= 1 token
+        logits = self._forward(context_ids[valid:], valid)
+        tokens, probs = [], []
+        for i in range(gamma):
+            token, q = self._sample(logits)
+            tokens.append(token)
+            probs.append(q)
+            if i + 1 < gamma:
+                logits = self._forward(torch.tensor([token], dtype=torch.int64), length + i)
+        draft_probs = None if self.params.greedy else torch.stack(probs)  # [G, V_t]
+        return DraftProposal(tokens=torch.tensor(tokens, dtype=torch.int64), draft_probs=draft_probs, forward_passes=gamma)

@@ -1,0 +1,45 @@
+"""Drafter names -> drafters: "none", "ngram", "default", "synthetic:...", or a draft model's name / path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specgate.drafting.base import Drafter, NoDrafter
+from specgate.drafting.ngram import NgramDrafter
+
+# target name -> its default draft (a model name or path load_model understands). The draft-model issue
+# registers Gemma-3-270M's here once it is trained; until then `--draft default` explains what to use instead.
+DEFAULT_DRAFTS: dict[str, str] = {}
+
+
+def make_drafter(spec: str, target: Any, *, dtype: Any = None, gamma: int | None = None) -> Drafter:
+    """Build the drafter named by `spec` for `target` (a LoadedModel).
+
+    spec: "none" (target only), "ngram" (prompt lookup, n = 1..3), "default" (the target's registered default
+    draft), "synthetic:<rates>" or "synthetic:AL=<x>" (LOSSY cost-study drafter, see specgate.drafting.synthetic;
+    AL needs gamma), or anything load_model accepts (a draft model name, HF directory or .gguf file), which
+    gives a ModelDrafter. dtype: the draft model's weights dtype.
+    """
+    spec = spec.strip()
+    if spec == "none":
+        return NoDrafter()
+    if spec == "ngram":
+        return NgramDrafter()
+    if spec.startswith("synthetic"):
+        from specgate.drafting.synthetic import SyntheticDrafter
+
+        return SyntheticDrafter.from_spec(spec, gamma=gamma)
+    if spec == "default":
+        if target.name not in DEFAULT_DRAFTS:
+            known = ", ".join(sorted(DEFAULT_DRAFTS)) or "none yet"
+            raise ValueError(
+                f"--draft default: target '{target.name}' has no default draft model yet (targets with one: {known}; "
+                "Gemma-3-270M's is trained by the draft-model issue): use --draft ngram (prompt lookup) or "
+                "--draft PATH to a small model that shares the target's tokenizer"
+            )
+        spec = DEFAULT_DRAFTS[target.name]
+    from specgate.drafting.model_drafter import ModelDrafter
+    from specgate.models import load_model
+
+    draft = load_model(spec) if dtype is None else load_model(spec, dtype=dtype)
+    return ModelDrafter(draft, target)

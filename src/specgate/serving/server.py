@@ -1,0 +1,187 @@
+"""Build and run the server: load models, choose the policy (calibrating the adaptive one), start the model
+thread and uvicorn on a socket we bind ourselves (so port 0 gives a known free port before serving starts).
+
+    handle = start_server(ServerConfig(target="path/to/model", draft="ngram"))   # uvicorn in a thread
+    ... handle.url ...
+    handle.stop()
+
+`serve(config)` does the same in the foreground (the `specgate serve` command).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from specgate.serving.api import create_app
+from specgate.serving.metrics import ServingMetrics
+from specgate.serving.policy import POLICY_NAMES, calibrate_cost_model, make_policy
+from specgate.serving.scheduler import Scheduler
+
+
+@dataclass
+class ServerConfig:
+    target: Any  # a model name / path for load_model, or a LoadedModel
+    draft: Any = "ngram"  # "none", "ngram", a draft model name / path, or a LoadedModel
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 = any free port
+    policy: str = "adaptive"
+    gamma: int = 4  # fixed policy's gamma; the adaptive policy's gamma_max
+    gamma_table: str | None = None  # table policy, e.g. "1-4:4,5-8:2,9-64:0"
+    api_key: str | None = None
+    max_num_seqs: int = 8  # KV slots = requests decoded at once
+    max_waiting: int = 64
+    max_seq_len: int = 1024  # positions per slot (prompt + max_tokens)
+    served_model_name: str | None = None
+    default_max_tokens: int = 16
+    dtype: str = "float32"  # weights dtype of target and draft: float32 or bfloat16
+    lossy: str | None = None  # LOSSY verification: "typical" (Medusa) or "synthetic:R1,R2,..." (fixed rates)
+
+    def validate(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"--policy {self.policy!r} is unknown: use one of {', '.join(POLICY_NAMES)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} is out of range 0..65535 (0 = any free port)")
+        if isinstance(self.draft, str) and self.draft.startswith("synthetic"):
+            raise ValueError(
+                f"--draft {self.draft!r}: the server has no synthetic drafter; for cost studies use --draft ngram with "
+                "--lossy synthetic:RATE (labelled lossy), or a real draft model"
+            )
+        parse_lossy(self.lossy)
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype {self.dtype!r} is not supported: use float32 or bfloat16")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key is empty: give a non-empty key or leave the option out")
+
+
+@dataclass
+class Engine:
+    scheduler: Scheduler
+    metrics: ServingMetrics
+    model_name: str
+    app: Any
+
+
+def parse_lossy(spec: str | None) -> Any:
+    """--lossy: None (exact), "typical" or "synthetic:0.8,0.6" -> a specgate.sampling.lossy mode."""
+    from specgate.sampling import SyntheticAcceptanceLossy, TypicalAcceptanceLossy
+
+    if spec is None:
+        return None
+    if spec == "typical":
+        return TypicalAcceptanceLossy()
+    if spec.startswith("synthetic:"):
+        try:
+            rates = [float(r) for r in spec.split(":", 1)[1].split(",")]
+        except ValueError:
+            rates = []
+        if rates:
+            return SyntheticAcceptanceLossy(rates)
+    raise ValueError(f"--lossy {spec!r} is unknown: use 'typical' or 'synthetic:RATE[,RATE...]' (each in [0, 1]), or leave it out for exact verification")
+
+
+def build_engine(config: ServerConfig) -> Engine:
+    """Load the models, build the policy (calibrating the adaptive cost model on this machine) and the app."""
+    from specgate.models import load_model
+
+    config.validate()
+    import torch
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+    target = load_model(config.target, dtype=dtype) if isinstance(config.target, str) else config.target
+    draft = config.draft
+    if draft == "default":  # the target's registered draft model (ValueError naming the options if none)
+        from specgate.drafting import make_drafter
+
+        draft = make_drafter("default", target, dtype=dtype).draft
+    elif isinstance(draft, str) and draft not in ("none", "ngram"):
+        draft = load_model(draft, dtype=dtype)
+    cost_model = None
+    if config.policy == "adaptive":
+        cost_model = calibrate_cost_model(target.model, None if isinstance(draft, str) else draft.model, gamma_max=config.gamma)
+    policy = make_policy(config.policy, gamma=config.gamma, table=config.gamma_table, cost_model=cost_model)
+    if isinstance(draft, str) and draft == "none" and config.policy != "off":
+        policy = make_policy("off")  # nothing can draft: speculation is off whatever the policy says
+    model_name = config.served_model_name or target.name
+    metrics = ServingMetrics(model_name, config.max_num_seqs)
+    scheduler = Scheduler(
+        target, draft, policy, num_slots=config.max_num_seqs, max_seq_len=min(config.max_seq_len, int(target.model.max_position_embeddings)),
+        max_waiting=config.max_waiting, metrics=metrics, lossy=parse_lossy(config.lossy),
+    )
+    app = create_app(scheduler, model_name=model_name, metrics=metrics, api_key=config.api_key, default_max_tokens=config.default_max_tokens)
+    return Engine(scheduler, metrics, model_name, app)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot bind {host}:{port} ({exc.strerror}): pick another --port (0 = any free port) or --host") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class ServerHandle:
+    engine: Engine
+    server: Any  # uvicorn.Server
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+        self.engine.scheduler.stop(timeout_s)
+
+
+def _uvicorn_server(engine: Engine, host: str, port: int):
+    import uvicorn
+
+    config = uvicorn.Config(engine.app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
+    return uvicorn.Server(config)
+
+
+def start_server(config: ServerConfig, engine: Engine | None = None, *, ready_timeout_s: float = 30.0) -> ServerHandle:
+    """Start the model thread and uvicorn (in a daemon thread) and return once the socket accepts requests."""
+    engine = engine or build_engine(config)
+    sock = bind_socket(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    server = _uvicorn_server(engine, host, port)
+    engine.scheduler.start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="specgate-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + ready_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            engine.scheduler.stop()
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.02)
+    return ServerHandle(engine, server, thread, host, port)
+
+
+def serve(config: ServerConfig, engine: Engine | None = None, on_ready: Any = None) -> None:
+    """Run the server in the foreground until interrupted (Ctrl-C)."""
+    engine = engine or build_engine(config)
+    sock = bind_socket(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    server = _uvicorn_server(engine, host, port)
+    engine.scheduler.start()
+    if on_ready is not None:
+        on_ready(host, port)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.scheduler.stop()
