@@ -14,8 +14,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The theory demo (tables + plot), then the engine on the embedded default target: Gemma-3-270M with n-gram
+# drafts on an input-grounded prompt, exact greedy output and live stats. (The gate issue turns this into
+# `specgate gate --quick`.)
 demo: $(STAMP)
-	$(VENV)/bin/specgate demo
+	$(VENV)/bin/specgate demo --out out/demo
+	$(VENV)/bin/specgate generate --target gemma-3-270m --draft ngram --gamma 4 --max-new-tokens 64 \
+		--prompt-file examples/prompts/rewrite_code.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q
