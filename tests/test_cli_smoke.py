@@ -27,3 +27,22 @@ def test_no_arguments_prints_help():
     out = _run()
     assert out.returncode == 0
     assert "Usage" in out.stdout
+
+
+def test_every_command_offers_json():
+    import typer.main
+
+    from specgate.cli.main import app
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        options = {opt for param in command.params for opt in getattr(param, "opts", [])}
+        assert "--json" in options, f"specgate {name} has no --json option"
+
+
+def test_version_json():
+    import json
+
+    out = _run("version", "--json")
+    assert out.returncode == 0
+    assert json.loads(out.stdout)["version"]

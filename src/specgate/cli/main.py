@@ -28,11 +28,14 @@ app = typer.Typer(
 
 
 @app.command()
-def version() -> None:
+def version(json_output: bool = typer.Option(False, "--json", help="Print one JSON object {version}.")) -> None:
     """Print specgate's version."""
     from specgate import __version__
 
-    common.console.print(__version__)
+    if json_output:
+        common.print_json({"version": __version__})
+    else:
+        common.console.print(__version__)
 
 
 for module in (theory_cmds, verify_cmds, engine_cmds, serve_cmds):
