@@ -1,4 +1,4 @@
-"""Engine benchmark: Gemma-3-270M, greedy, fp32, batch 1, the same input-grounded prompts for every lane.
+"""Engine benchmark: Gemma-3-270M, greedy, batch 1, one dtype for every lane, the same input-grounded prompts.
 
 Lanes (each prompt runs once per lane after one short warm-up of every lane; tokens/s = new tokens / wall s):
 - own baseline: specgate.engine.generate with --draft none, gamma 0 (target-only decoding through the same loop);
@@ -9,7 +9,8 @@ Lanes (each prompt runs once per lane after one short warm-up of every lane; tok
 Ratios are from one run in one process. Every lane must produce the same tokens (greedy is exact); the script
 says whether they do.
 
-Run: .venv/bin/python bench/bench_engine.py [--max-new-tokens 96] [--gamma 8]
+Run: .venv/bin/python bench/bench_engine.py [--max-new-tokens 96] [--gamma 8] [--dtype float32|bfloat16|auto]
+(bench/bench_perf.py runs the same lanes per dtype next to the bandwidth floor.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from specgate.drafting import NgramDrafter, NoDrafter
 from specgate.engine import generate
-from specgate.models import load_model
+from specgate.models import load_model, resolve_dtype
 from specgate.sampling import SamplingParams
 
 CODE = '''def moving_average(values, window):
@@ -81,12 +82,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--gamma", type=int, default=8, help="n-gram draft length (and transformers' prompt_lookup_num_tokens)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the markdown table")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto (specgate.models.default_dtype())")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
 
-    target = load_model("gemma-3-270m", dtype=torch.float32)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
+    dtype = resolve_dtype(args.dtype)
+    target = load_model("gemma-3-270m", dtype=dtype)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=dtype).eval()
     tokenizer = target.tokenizer
     lanes = {
         "own baseline": lambda p, n: own_lane(target, NoDrafter(), 0, p, n),
@@ -115,10 +118,10 @@ def main() -> None:
             },
         )
     if args.json:
-        print(json.dumps(dict(max_new_tokens=args.max_new_tokens, gamma=args.gamma, prompts=rows), indent=2))
+        print(json.dumps(dict(max_new_tokens=args.max_new_tokens, gamma=args.gamma, dtype=str(dtype), prompts=rows), indent=2))
         return
     lane_names = list(lanes)
-    print(f"max_new_tokens={args.max_new_tokens}, gamma={args.gamma}, threads={torch.get_num_threads()}\n")
+    print(f"max_new_tokens={args.max_new_tokens}, gamma={args.gamma}, dtype={dtype}, threads={torch.get_num_threads()}\n")
     print("| prompt | " + " | ".join(f"{lane} tok/s" for lane in lane_names) + " | n-gram AL |")
     print("|---|" + "---|" * (len(lane_names) + 1))
     for name, row in rows.items():

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specgate.models import load_model
 from specgate.sampling import SamplingParams
 from specgate.serving import FixedPolicy, Request, Scheduler
+from specgate.serving.policy import calibration_tokens
 from specgate.serving.server import ServerConfig, start_server
 
 PROMPT = "def generate(prompt, max_new_tokens=16):\n    tokens = tokenize(prompt)\n    for step in range(max_new_tokens):"
@@ -251,7 +252,7 @@ def test_serve_command_end_to_end_with_adaptive_policy(tiny_path):
             except json.JSONDecodeError:
                 continue
         assert info["host"] == "127.0.0.1" and info["port"] > 0 and info["policy"]["policy"] == "adaptive"
-        assert {tuple(row[:2]) for row in info["policy"]["cost_model"]["target_ms"]} == {(b, t) for b in (1, 2, 4, 8, 16) for t in (1, 5)}
+        assert {tuple(row[:2]) for row in info["policy"]["cost_model"]["target_ms"]} == {(b, t) for b in (1, 2, 4, 8, 16) for t in calibration_tokens(4)}
         _wait_for(lambda: _healthy(info["url"]))
         client = openai.OpenAI(base_url=info["url"] + "/v1", api_key="x", max_retries=0, timeout=60)
         response = client.completions.create(model=info["model"], prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True})

@@ -135,7 +135,7 @@ def test_gemma_greedy_batch_equals_target_only(gemma):
 
 
 def test_acceptance_estimate_tracks_hits_and_misses_and_goes_stale(tiny_target):
-    from specgate.serving.scheduler import ACCEPTANCE_PRIOR
+    from specgate.serving.acceptance import FLAT_PRIOR
 
     scheduler = Scheduler(tiny_target, draft="none", policy=FixedPolicy(4), num_slots=1, max_seq_len=32)
     request = Request(make_prompts(1)[0], GREEDY, max_tokens=8)
@@ -144,14 +144,16 @@ def test_acceptance_estimate_tracks_hits_and_misses_and_goes_stale(tiny_target):
     for _ in range(5):
         scheduler._record(request, 4, 4, 4, step)  # every draft accepted
     high = request.acceptance
-    assert ACCEPTANCE_PRIOR < high < 1.0
+    assert FLAT_PRIOR < high < 1.0
     for _ in range(15):
         scheduler._record(request, 4, 4, 0, step)  # first draft rejected each time: the hits fade out
     low = request.acceptance
-    assert 0.0 < low < ACCEPTANCE_PRIOR
+    assert 0.0 < low < 0.2
+    traffic_rate = float(scheduler.traffic_acceptance.profile(FLAT_PRIOR)[0])
+    assert low < traffic_rate < FLAT_PRIOR  # the traffic estimate remembers the hits for longer
     for _ in range(60):
-        scheduler._record(request, 0, 0, 0, step)  # no drafts: the evidence ages back towards the prior
-    assert low < request.acceptance and abs(request.acceptance - ACCEPTANCE_PRIOR) < 0.05
+        scheduler._record(request, 0, 0, 0, step)  # no drafts: the evidence ages back towards the traffic prior
+    assert low < request.acceptance and abs(request.acceptance - traffic_rate) < 0.02
     assert step["draft_tokens"] == 80 and step["accepted"] == 20 and step["accepted_per_position"] == [5, 5, 5, 5]
 
 
@@ -174,23 +176,91 @@ def test_lossy_mode_is_labelled_in_the_metrics(tiny_target):
         Scheduler(tiny_target, lossy="typical")
 
 
-def test_ngram_shadow_drafts_keep_the_estimate_learning_with_speculation_off(tiny_target):
-    """Policy off, n-gram drafter: each step's would-be first draft is scored against the emitted token."""
+def test_ngram_proposals_keep_the_estimate_learning_with_speculation_off(tiny_target):
+    """Policy off, n-gram drafter: each step's lookup proposal (one token: the policy's max gamma is 0) is scored
+    against the token the request actually produced."""
     from specgate.serving import OffPolicy
-    from specgate.serving.scheduler import ACCEPTANCE_EMA_DECAY, ACCEPTANCE_PRIOR, PRIOR_WEIGHT
+    from specgate.serving.acceptance import FLAT_PRIOR, PRIOR_WEIGHT, REQUEST_DECAY, TRAFFIC_DECAY
 
     prompt = torch.cat([torch.tensor([1]), torch.tensor([40, 41, 42, 43]).repeat(4)])
     scheduler = Scheduler(tiny_target, draft="ngram", policy=OffPolicy(), num_slots=1, max_seq_len=64)
     request = scheduler.submit(Request(prompt, GREEDY, max_tokens=24, ignore_eos=True))
     scheduler.run_until_idle()
     assert request.stats.drafted_tokens == 0 and len(request.tokens) == 24
-    accepted = tested = 0.0
-    hits = 0
-    for k in range(24):  # steps emit one token each; the last step (budget 1) still gets a shadow
+    accepted = tested = traffic_accepted = traffic_tested = 0.0
+    for k in range(24):  # steps emit one token each; the last step (budget 1) still proposes one token
         proposal = NgramDrafter().propose(torch.cat([prompt, torch.tensor(request.tokens[:k], dtype=torch.int64)]), 1).tokens
         if proposal.numel():
             hit = float(int(proposal[0]) == request.tokens[k])
-            hits += int(hit)
-            accepted, tested = ACCEPTANCE_EMA_DECAY * accepted + hit, ACCEPTANCE_EMA_DECAY * tested + 1.0
+            accepted, tested = REQUEST_DECAY * accepted + hit, REQUEST_DECAY * tested + 1.0
+            traffic_accepted, traffic_tested = TRAFFIC_DECAY * traffic_accepted + hit, TRAFFIC_DECAY * traffic_tested + 1.0
     assert tested > 0
-    assert request.acceptance == pytest.approx((accepted + PRIOR_WEIGHT * ACCEPTANCE_PRIOR) / (tested + PRIOR_WEIGHT))
+    traffic_rate = (traffic_accepted + PRIOR_WEIGHT * FLAT_PRIOR) / (traffic_tested + PRIOR_WEIGHT)
+    assert request.acceptance == pytest.approx((accepted + PRIOR_WEIGHT * traffic_rate) / (tested + PRIOR_WEIGHT))
+
+
+def test_chunked_prefill_bounds_each_step_and_keeps_the_others_decoding(tiny_target):
+    """Two long prompts join a running request; with a budget of 8 prompt tokens per step (pads included) each
+    step's prefill stays within it, the running request emits at every step meanwhile, and all outputs are exact."""
+    budget = 8
+    short = make_prompts(1)[0]
+    long_prompts = [torch.cat([torch.tensor([1]), torch.arange(20, 20 + n)]) for n in (45, 30)]
+    scheduler = Scheduler(tiny_target, draft="ngram", policy=FixedPolicy(2), num_slots=3, max_seq_len=96, prefill_chunk_tokens=budget)
+    runner = scheduler.submit(Request(short, GREEDY, max_tokens=40, ignore_eos=True))
+    scheduler.step()
+    longs = [scheduler.submit(Request(p, GREEDY, max_tokens=6, ignore_eos=True)) for p in long_prompts]
+    prefill_steps = 0
+    while any(not r.tokens for r in longs):
+        before = len(runner.tokens)
+        scheduler.step()
+        assert 0 < scheduler.last_prefill_tokens <= budget
+        assert len(runner.tokens) > before, "the running request must not stall while prompts prefill"
+        prefill_steps += 1
+    assert prefill_steps >= (45 + 30) // budget  # the prompts really were spread over many steps
+    scheduler.run_until_idle()
+    for request in [runner, *longs]:
+        assert request.tokens == reference_tokens(tiny_target, request.prompt_ids, request.max_tokens)
+    with pytest.raises(ValueError, match="prefill_chunk_tokens=0"):
+        Scheduler(tiny_target, prefill_chunk_tokens=0)
+
+
+def test_adaptive_policy_in_the_loop_gives_per_request_gammas_and_stays_exact(tiny_target):
+    """The scheduler hands the policy each request's per-position profile and its cap (n-gram drafts actually
+    available, remaining budget); within one step requests get different gammas, and outputs stay exact."""
+    from specgate.serving import AdaptivePolicy, CostModel
+
+    flat = CostModel({(1, 1): 10.0, (1, 9): 10.5, (4, 1): 10.0, (4, 9): 10.5})  # width almost free: draft what you can
+    policy = AdaptivePolicy(flat, gamma_max=8)
+    chosen: list[list[int]] = []
+    original = policy.choose
+    policy.choose = lambda acceptance, caps=None: chosen.append(list(caps)) or original(acceptance, caps)  # record caps
+    prompts = make_prompts(3) + [torch.arange(100, 140)]  # the last never repeats: few n-gram matches
+    scheduler = Scheduler(tiny_target, draft="ngram", policy=policy, num_slots=4, max_seq_len=96)
+    requests = [scheduler.submit(Request(p, GREEDY, max_tokens=18, ignore_eos=True)) for p in prompts]
+    scheduler.run_until_idle()
+    for request, prompt in zip(requests, prompts):
+        assert request.tokens == reference_tokens(tiny_target, prompt, 18)
+    assert any(len(set(caps)) > 1 for caps in chosen), "caps differ per request (drafts available, budgets)"
+    steps = min(len(r.stats.gammas) for r in requests)
+    assert any(len({r.stats.gammas[s] for r in requests}) > 1 for s in range(steps)), "one step, several gammas"
+
+
+def test_lookup_proposals_are_scored_beyond_the_verified_drafts(tiny_target):
+    """Each n-gram proposal (up to the policy's max gamma, not just the drafts verified) is scored against the
+    output once known: positions the policy did not verify still get evidence, so long drafts can be learned."""
+    scheduler = Scheduler(tiny_target, draft="ngram", policy=FixedPolicy(2), num_slots=1, max_seq_len=32)
+    request = Request(make_prompts(1)[0], GREEDY, max_tokens=20)
+    state = {"proposals": [(0, [5, 6, 7, 8, 9]), (2, [7, 9, 9])]}
+    request.tokens = [5, 6, 7]  # both proposals match so far but are not fully known: still pending
+    scheduler._score_proposals(request, state, final=False)
+    assert len(state["proposals"]) == 2 and request.acceptance_stats.tested.sum() == 0
+    request.tokens = [5, 6, 7, 8, 1, 2]  # first: 4 accepted, 5th rejected; second: 7 accepted, 9 != 8 rejected
+    scheduler._score_proposals(request, state, final=False)
+    assert state["proposals"] == []
+    stats = request.acceptance_stats  # decay 0.8 between the two observations
+    assert stats.accepted[:5].tolist() == pytest.approx([1.8, 0.8, 0.8, 0.8, 0.0])
+    assert stats.tested[:5].tolist() == pytest.approx([1.8, 1.8, 0.8, 0.8, 0.8])
+    state["proposals"] = [(6, [3, 4, 5])]
+    request.tokens += [3]  # the request ends with the proposal partly known: score what is known
+    scheduler._score_proposals(request, state, final=True)
+    assert state["proposals"] == [] and stats.tested[0] == pytest.approx(1.8 * 0.8 + 1)

@@ -8,7 +8,7 @@ import typer
 
 from specgate.cli import common
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
@@ -17,7 +17,12 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if prompt_file is not None:
         if not prompt_file.is_file():
             raise common.UserError(f"--prompt-file {prompt_file}: no such file; pass a path to a UTF-8 text file")
-        prompt = prompt_file.read_text(encoding="utf-8")
+        try:
+            prompt = prompt_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise common.UserError(f"--prompt-file {prompt_file}: byte {exc.start} is not UTF-8; save the file as UTF-8 text") from None
+        except OSError as exc:
+            raise common.UserError(f"--prompt-file {prompt_file}: cannot read it ({exc.strerror}); check the path and its permissions") from None
     return prompt
 
 
@@ -55,15 +60,13 @@ def register(app: typer.Typer) -> None:
         prompt: str = typer.Option(None, help="Prompt text."),
         prompt_file: Path = typer.Option(None, help="Read the prompt from this UTF-8 file."),
         stop: list[str] = typer.Option(None, help="Stop string (repeatable); the output ends before it."),
-        dtype: str = typer.Option("float32", help="Weights dtype for target and draft: float32 or bfloat16."),
+        dtype: str = typer.Option("auto", help="Weights dtype for target and draft: auto (bfloat16 on CPUs with avx512_bf16/amx_bf16, else float32), float32 or bfloat16."),
         json_output: bool = typer.Option(False, "--json", help="Print one JSON object {tokens, text, stats}."),
     ) -> None:
         """Generate text with speculative decoding (exact: the output follows the target's distribution)."""
-        import torch
-
         from specgate.drafting import make_drafter
         from specgate.engine import generate as run_generate
-        from specgate.models import load_model
+        from specgate.models import load_model, resolve_dtype
         from specgate.sampling import SamplingParams
 
         text = _read_prompt(prompt, prompt_file)
@@ -72,7 +75,7 @@ def register(app: typer.Typer) -> None:
         if gamma < 0:
             raise common.UserError(f"--gamma {gamma} is invalid: use gamma >= 0 (0 = no drafting)")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        torch_dtype = getattr(torch, dtype)
+        torch_dtype = resolve_dtype(dtype)
         target_model = load_model(target, dtype=torch_dtype)
         drafter = make_drafter(draft, target_model, dtype=torch_dtype, gamma=gamma)
         if drafter.name == "none" and gamma > 0:

@@ -19,23 +19,33 @@ def register(app: typer.Typer) -> None:
         policy: str = typer.Option("adaptive", help="Speculation policy: adaptive (calibrated goodput model), fixed, table, off."),
         gamma: int = typer.Option(4, help="Draft tokens per step for --policy fixed; the largest gamma --policy adaptive may pick."),
         gamma_table: str = typer.Option(None, help="--policy table: per-batch-size gamma, e.g. '1-4:4,5-8:2,9-64:0'."),
-        api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise)."),
+        api_key: str = typer.Option(None, envvar="SPECGATE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); prefer the SPECGATE_API_KEY environment variable (a command line is visible to other users in ps)."),
         max_num_seqs: int = typer.Option(8, help="KV slots: requests decoded at once."),
         max_waiting: int = typer.Option(64, help="Requests allowed to wait for a slot; more get HTTP 429."),
         max_seq_len: int = typer.Option(1024, help="Positions per KV slot: prompt + max_tokens must fit."),
         served_model_name: str = typer.Option(None, help="Model id reported by /v1/models (default: the target's name)."),
-        dtype: str = typer.Option("float32", help="Weights dtype for target and draft: float32 or bfloat16."),
+        dtype: str = typer.Option("auto", help="Weights dtype for target and draft: auto (bfloat16 on CPUs with avx512_bf16/amx_bf16, else float32), float32 or bfloat16."),
         lossy: str = typer.Option(None, help="LOSSY verification for cost studies: typical (Medusa) or synthetic:0.8,0.6 (fixed acceptance rates); metrics say lossless=\"false\"."),
+        request_timeout_s: float = typer.Option(None, help="End a request still running this many seconds after arrival (HTTP 504; default: no limit)."),
+        max_body_bytes: int = typer.Option(1 << 20, help="Largest request body accepted, in bytes (HTTP 413 above it)."),
+        drain_timeout_s: float = typer.Option(30.0, help="On SIGTERM: new requests get 503 and in-flight ones get this many seconds to finish."),
         json_output: bool = typer.Option(False, "--json", help="Print one JSON object {url, host, port, model, policy} once listening."),
     ) -> None:
-        """Serve TARGET with speculative decoding behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
+        """Serve TARGET with speculative decoding behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics).
+
+        SIGTERM drains: new requests get 503, running ones finish, then the process exits 0.
+        """
+        from specgate.models.dtypes import default_dtype_name
         from specgate.serving.server import ServerConfig, build_engine
         from specgate.serving.server import serve as run_server
+
+        dtype = default_dtype_name() if dtype == "auto" else dtype
 
         config = ServerConfig(
             target=target, draft=draft, host=host, port=port, policy=policy, gamma=gamma, gamma_table=gamma_table,
             api_key=api_key, max_num_seqs=max_num_seqs, max_waiting=max_waiting, max_seq_len=max_seq_len,
-            served_model_name=served_model_name, dtype=dtype, lossy=lossy,
+            served_model_name=served_model_name, dtype=dtype, lossy=lossy, request_timeout_s=request_timeout_s,
+            max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s,
         )
         config.validate()
         if policy == "table" and not gamma_table:

@@ -61,6 +61,9 @@ def check_lossless(
         help=f"Outcomes per case (default {SYNTHETIC_SAMPLES:,} synthetic, {MODEL_SAMPLES:,} with --target).",
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of every random draw."),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="Weights dtype for --target: auto (bfloat16 on CPUs with avx512_bf16/amx_bf16, else float32), float32 or bfloat16."
+    ),
     significance: float = typer.Option(0.01, "--significance", help="Family-wise level, Bonferroni-corrected."),
     json_output: bool = typer.Option(
         False, "--json", help="Print one JSON object (verdict, cases, negative_controls)."
@@ -102,9 +105,11 @@ def check_lossless(
         if gamma < 1:
             raise common.UserError(f"--gamma {gamma} is out of range: use an integer >= 1")
         from specgate.engine.lossless_real import run_model_check
+        from specgate.models import load_model, resolve_dtype
 
+        torch_dtype = resolve_dtype(dtype)  # ValueError (exit 2) for an unknown --dtype, before the slow load
         result = run_model_check(
-            target, draft, gamma=gamma, num_samples=MODEL_SAMPLES if samples is None else samples,
+            load_model(target, dtype=torch_dtype), draft, gamma=gamma, num_samples=MODEL_SAMPLES if samples is None else samples,
             seed=seed, significance=significance, progress=not json_output,
         )
     if json_output:

@@ -9,12 +9,20 @@ verifies over its full vocabulary and the residual (p - q)+ gives the other toke
 outside the draft vocabulary are fed to the draft as its unknown (or id 0) token: that can only lower
 acceptance, never exactness.
 
+A draft built by specgate's recipe (specgate.drafting.build_default) ships no tokenizer (Gemma's is ~30 MB):
+its dir holds `specgate_draft.json` naming the target, the target's vocabulary size and special ids, and a
+fingerprint of the target tokens its d2t map stands for. load_draft_dir checks all of them against the target
+and borrows the target's tokenizer.
+
 The drafter keeps its own KV cache (one CausalLM slot, positions absolute), so drafts the target rejected need
 no undo: the cache remembers which token it holds at each position and re-feeds from the first disagreement.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +33,7 @@ from specgate.drafting.base import DraftProposal, Drafter
 
 VOCAB_MAP_FILE = "draft_vocab_map.safetensors"
 VOCAB_MAP_KEY = "d2t"
+DRAFT_INFO_FILE = "specgate_draft.json"
 
 
 def check_same_tokenizer(draft: Any, target: Any) -> None:
@@ -78,6 +87,71 @@ def load_vocab_map(draft_dir: Path | None, draft_vocab_size: int, target_vocab_s
         duplicate = int(values[counts > 1][0])
         raise ValueError(f"{path}: '{VOCAB_MAP_KEY}' maps several draft ids to target id {duplicate}: the map must be one-to-one")
     return d2t
+
+
+def vocab_fingerprint(pieces: Sequence[str]) -> str:
+    """sha256 of the token strings a d2t map points at, in draft-id order (what the ids mean, not just how many)."""
+    return hashlib.sha256("\n".join(pieces).encode("utf-8")).hexdigest()
+
+
+def is_draft_dir(path: str | Path) -> bool:
+    """True for a dir written by specgate's draft recipe (it carries specgate_draft.json)."""
+    return (Path(path).expanduser() / DRAFT_INFO_FILE).is_file()
+
+
+def check_draft_info(draft_dir: Path, info: dict[str, Any], d2t: Tensor | None, target: Any) -> None:
+    """Refuse a recipe-built draft whose target facts (vocabulary size, special ids, token strings) differ.
+
+    d2t None: check the vocabulary size and special ids only (before the map itself is read)."""
+    fix = f"use the draft built for this target, or rebuild it with `{info.get('recipe', 'the draft recipe')}` against '{target.name}'"
+    target_vocab = int(target.model.vocab_size)
+    if int(info.get("target_vocab_size", -1)) != target_vocab:
+        raise ValueError(
+            f"draft '{draft_dir.name}' was built for a target vocabulary of {info.get('target_vocab_size')} tokens "
+            f"('{info.get('target')}') but target '{target.name}' has {target_vocab}: {fix}"
+        )
+    for attribute, draft_id in dict(info.get("target_special_ids", {})).items():
+        target_id = getattr(target.tokenizer, attribute, None)
+        if draft_id != target_id:
+            raise ValueError(f"draft '{draft_dir.name}' expects {attribute}={draft_id} but target '{target.name}' has {target_id}: {fix}")
+    if d2t is None:
+        return
+    pieces = target.tokenizer.convert_ids_to_tokens(d2t.tolist())
+    if vocab_fingerprint(pieces) != info.get("draft_vocab_sha256"):
+        raise ValueError(
+            f"draft '{draft_dir.name}': its {VOCAB_MAP_FILE} ids name different tokens in target '{target.name}''s tokenizer "
+            f"than in the tokenizer it was built with (sha256 of the token strings differs): {fix}"
+        )
+
+
+def load_draft_dir(path: str | Path, target: Any, dtype: torch.dtype | None = None) -> Any:
+    """A recipe-built draft (config.json, model.safetensors, d2t map, specgate_draft.json) as a LoadedModel that
+    borrows the target's tokenizer, after checking its vocabulary map against the target.
+
+    dtype: the weights' dtype (default: the target's, so draft and target compute alike).
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from specgate.models import LoadedModel
+    from specgate.models.loading import build_model
+
+    draft_dir = Path(path).expanduser()
+    info = json.loads((draft_dir / DRAFT_INFO_FILE).read_text())
+    config = AutoConfig.from_pretrained(str(draft_dir), local_files_only=True, trust_remote_code=False)
+    check_draft_info(draft_dir, info, None, target)
+    d2t = load_vocab_map(draft_dir, int(config.vocab_size), int(target.model.vocab_size))
+    if d2t is None:
+        raise ValueError(f"draft '{draft_dir}' has {DRAFT_INFO_FILE} but no {VOCAB_MAP_FILE}: a reduced-vocabulary draft needs its d2t map")
+    check_draft_info(draft_dir, info, d2t, target)
+
+    def tensors():
+        with safe_open(str(draft_dir / "model.safetensors"), framework="pt") as handle:
+            for key in handle.keys():
+                yield key, handle.get_tensor(key)
+
+    model = build_model(config, tensors(), dtype or target.model.dtype)
+    return LoadedModel(model=model, tokenizer=target.tokenizer, name=draft_dir.name, path=draft_dir)
 
 
 class ModelDrafter(Drafter):

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from specgate.drafting.base import Drafter, NoDrafter
 from specgate.drafting.ngram import NgramDrafter
 
-# target name -> its default draft (a model name or path load_model understands). The draft-model issue
-# registers Gemma-3-270M's here once it is trained; until then `--draft default` explains what to use instead.
-DEFAULT_DRAFTS: dict[str, str] = {}
+_DRAFTS_DIR = Path(__file__).resolve().parent.parent / "data" / "drafts"
+# target name -> its default draft (a model name or path load_model understands, or a recipe-built draft dir).
+# Gemma-3-270M's is built by `python -m specgate.drafting.build_default` (docs/DRAFT_MODEL.md).
+DEFAULT_DRAFTS: dict[str, str] = {"gemma-3-270m": str(_DRAFTS_DIR / "gemma-3-270m-default")}
 
 
 def make_drafter(spec: str, target: Any, *, dtype: Any = None, gamma: int | None = None) -> Drafter:
@@ -33,13 +35,15 @@ def make_drafter(spec: str, target: Any, *, dtype: Any = None, gamma: int | None
         if target.name not in DEFAULT_DRAFTS:
             known = ", ".join(sorted(DEFAULT_DRAFTS)) or "none yet"
             raise ValueError(
-                f"--draft default: target '{target.name}' has no default draft model yet (targets with one: {known}; "
-                "Gemma-3-270M's is trained by the draft-model issue): use --draft ngram (prompt lookup) or "
+                f"--draft default: target '{target.name}' has no default draft model (targets with one: {known}): "
+                "use --draft ngram (prompt lookup) or "
                 "--draft PATH to a small model that shares the target's tokenizer"
             )
         spec = DEFAULT_DRAFTS[target.name]
-    from specgate.drafting.model_drafter import ModelDrafter
+    from specgate.drafting.model_drafter import ModelDrafter, is_draft_dir, load_draft_dir
     from specgate.models import load_model
 
+    if is_draft_dir(spec):  # a recipe-built reduced-vocabulary draft: borrows the target's tokenizer
+        return ModelDrafter(load_draft_dir(spec, target, dtype), target)
     draft = load_model(spec) if dtype is None else load_model(spec, dtype=dtype)
     return ModelDrafter(draft, target)

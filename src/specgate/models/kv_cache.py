@@ -68,15 +68,21 @@ class KVCache:
         self.keys[layer][rows, :, cols] = keys.transpose(1, 2).to(self.keys[layer].dtype)
         self.values[layer][rows, :, cols] = values.transpose(1, 2).to(self.values[layer].dtype)
 
-    def read(self, layer: int, slots: Tensor, length: int, contiguous_from: int | None) -> tuple[Tensor, Tensor]:
-        """Keys and values [B, H_kv, length, D] of positions 0..length-1 of each slot.
+    def read(
+        self, layer: int, slots: Tensor, length: int, contiguous_from: int | None, start: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        """Keys and values [B, H_kv, length - start, D] of positions start..length-1 of each slot.
 
-        contiguous_from: when the slots are start, start+1, ... pass start to read a view instead of a copy.
+        contiguous_from: when the slots are first, first+1, ... pass first to read a view instead of a copy.
+        start: the first position read (a sliding-window layer needs no older keys).
         """
         if contiguous_from is not None:
             end = contiguous_from + slots.numel()
-            return self.keys[layer][contiguous_from:end, :, :length], self.values[layer][contiguous_from:end, :, :length]
-        return self.keys[layer][slots, :, :length], self.values[layer][slots, :, :length]
+            return (
+                self.keys[layer][contiguous_from:end, :, start:length],
+                self.values[layer][contiguous_from:end, :, start:length],
+            )
+        return self.keys[layer][slots, :, start:length], self.values[layer][slots, :, start:length]
 
     def reset_slot(self, slot: int) -> None:
         """Zero one slot. Never needed for correctness (positions are overwritten before they are read); useful

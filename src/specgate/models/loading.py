@@ -33,6 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingfac
 
 DEFAULT_MODEL = "gemma-3-270m"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WEIGHT_ALIGNMENT_BYTES = 64
 
 
 @dataclass
@@ -105,7 +106,10 @@ def build_model(config: Any, tensors: Iterator[tuple[str, torch.Tensor]], dtype:
                 f"weight '{checkpoint_name}' has shape {tuple(tensor.shape)} but the config implies "
                 f"{tuple(wanted[name].shape)}: the checkpoint and its config.json disagree"
             )
-        state[name] = tensor.to(dtype)
+        tensor = tensor.to(dtype)
+        if tensor.data_ptr() % WEIGHT_ALIGNMENT_BYTES:  # MKL's GEMM result depends on the operand's alignment
+            tensor = tensor.clone()  # torch allocates 64-byte aligned: the same weights give the same logits
+        state[name] = tensor
     missing = sorted(set(wanted) - set(state))
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights the config needs, e.g. {missing[:3]}")

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specgate.models.dtypes import native_bf16
 from specgate.models.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
@@ -152,6 +153,51 @@ def rope_inv_freq(params: dict[str, Any], head_dim: int) -> Tensor:
     return inv_freq
 
 
+UPCAST_CHUNK_ELEMENTS = 1 << 21  # weight elements upcast to fp32 at a time (8 MB): the chunk stays in cache while used
+TALL_WEIGHT_RATIO = 8  # a weight with >= 8x more rows than columns (an LM head) is multiplied as weight @ x^T
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] times weight [N, K] transposed (+ bias [N]) -> [..., N], like F.linear, faster on CPU for several rows.
+
+    One row (a batch-1 decode step) is a matrix-vector product: F.linear. Several rows on CPU:
+    - float32, tall weight (the LM head): (weight @ x^T)^T. MKL multiplies a tall weight by a thin matrix
+      faster than the thin matrix by the transposed weight (Gemma's 262k-row head, 5 rows, one thread: 125 vs
+      150 ms; two threads: 118 vs 236 ms on the 2-core VM); for the square-ish layer weights F.linear is faster.
+    - bfloat16 without native bf16 instructions: PyTorch's bf16 GEMM then costs one matrix-vector pass per
+      row, so the weight is upcast to float32 in cache-sized chunks and multiplied in float32 (the bytes read
+      from memory stay bf16); the result is rounded to bf16, as a bf16 GEMM with float32 accumulation does.
+    """
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows <= 1 or x.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return F.linear(x, weight, bias)
+    if weight.dtype == torch.bfloat16 and native_bf16():
+        return F.linear(x, weight, bias)
+    if weight.dtype == torch.float32 and weight.shape[0] < TALL_WEIGHT_RATIO * weight.shape[1]:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])  # [R, K]
+    if weight.dtype == torch.float32:
+        out = torch.mm(weight, flat.t())  # [N, R]
+    else:
+        out = _upcast_mm(weight, flat.float().t())  # [N, R] float32
+    out = out.t().contiguous().to(x.dtype)  # [R, N]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _upcast_mm(weight: Tensor, right: Tensor) -> Tensor:
+    """weight [N, K] (bf16) @ right [K, R] (float32) -> [N, R] float32, upcasting the weight chunk by chunk."""
+    out = torch.empty(weight.shape[0], right.shape[1], dtype=torch.float32)  # [N, R]
+    step = max(1, UPCAST_CHUNK_ELEMENTS // weight.shape[1])
+    scratch = torch.empty(min(step, weight.shape[0]), weight.shape[1], dtype=torch.float32)  # [n, K]
+    for start in range(0, weight.shape[0], step):
+        chunk = weight[start : start + step]  # [n, K]
+        upcast = scratch[: chunk.shape[0]].copy_(chunk)
+        torch.mm(upcast, right, out=out[start : start + chunk.shape[0]])
+    return out
+
+
 def rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -171,10 +217,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.gemma:
-            return (normed * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * normed.to(x.dtype)
+        shape = (x.shape[-1],)
+        if self.gemma:  # one fused kernel: x̂ * (1 + w), all in float32
+            return F.rms_norm(x.float(), shape, 1.0 + self.weight.float(), self.eps).type_as(x)
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
+
+
+def _proj(layer: nn.Linear, x: Tensor) -> Tensor:
+    return linear(x, layer.weight, layer.bias)
 
 
 class MLP(nn.Module):
@@ -190,7 +240,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        return linear(self.act(linear(x, gate.weight, gate.bias)) * linear(x, up.weight, up.bias), down.weight, down.bias)
 
 
 class Attention(nn.Module):
@@ -209,20 +260,22 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, batch: "Batch") -> Tensor:
-        """x [B, T, H]; rope: cos, sin [B, 1, T, D]; mask [B, 1, T, L] bool (True = attend)."""
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: tuple[Tensor, int], batch: "Batch") -> Tensor:
+        """x [B, T, H]; rope: cos, sin [B, 1, T, D]; mask: ([B, 1, T, L - start] bool, True = attend; start), the
+        keys at positions start..L-1 being the only ones any query of this layer can see."""
+        mask, start = mask
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H_q, T, D]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        q = _proj(self.q_proj, x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H_q, T, D]
+        k = _proj(self.k_proj, x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        v = _proj(self.v_proj, x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         batch.cache.write(self.layer, batch.slots, batch.positions, k, v)
-        keys, values = batch.cache.read(self.layer, batch.slots, batch.kv_length, batch.contiguous_from)  # [B, H_kv, L, D]
+        keys, values = batch.cache.read(self.layer, batch.slots, batch.kv_length, batch.contiguous_from, start)  # [B, H_kv, L - start, D]
         gqa = self.num_heads != self.num_kv_heads  # each group of query heads shares one KV head
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)  # [B, H_q, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))  # [B, T, H]
+        return _proj(self.o_proj, out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))  # [B, T, H]
 
 
 class Block(nn.Module):
@@ -239,7 +292,7 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.norm_eps, gemma=True)
             self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.norm_eps, gemma=True)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, batch: "Batch") -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: tuple[Tensor, int], batch: "Batch") -> Tensor:
         if self.gemma:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, batch))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -302,16 +355,21 @@ class CausalLM(nn.Module):
             out[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
         return out
 
-    def _masks(self, positions: Tensor, kv_length: int) -> dict[int | None, Tensor]:
-        """Boolean masks [B, 1, T, L] per window size: key j is visible to a query at p iff j <= p (and j > p - w)."""
+    def _masks(self, positions: Tensor, kv_length: int) -> dict[int | None, tuple[Tensor, int]]:
+        """Per window size: (mask [B, 1, T, L - start] bool, start). Key j is visible to a query at p iff j <= p (and
+        j > p - w). A sliding layer reads only keys from start = (lowest query position) - w + 1 on: past the window
+        the older keys are neither read nor scored."""
         query = positions[:, None, :, None]  # [B, 1, T, 1]
-        key = torch.arange(kv_length, device=positions.device)  # [L]
-        causal = key <= query  # [B, 1, T, L]
-        pad = query < 0  # [B, 1, T, 1]: pad queries look at key 0 so no row is all -inf (NaN); their output is discarded
+        pad = query < 0  # [B, 1, T, 1]: pad queries look at the first key so no row is all -inf (NaN); output discarded
+        lowest = int(torch.where(positions >= 0, positions, kv_length).min()) if positions.numel() else 0
         masks = {}
         for window in set(self.args.layer_windows):
-            mask = causal if window is None else causal & (key > query - window)
-            masks[window] = mask | (pad & (key == 0))
+            start = 0 if window is None else max(0, min(lowest, kv_length - 1) - window + 1)
+            key = torch.arange(start, kv_length, device=positions.device)  # [L - start]
+            mask = key <= query  # [B, 1, T, L - start]
+            if window is not None:
+                mask = mask & (key > query - window)
+            masks[window] = (mask | (pad & (key == start)), start)
         return masks
 
     def forward(
@@ -365,7 +423,7 @@ class CausalLM(nn.Module):
             steps = torch.arange(positions.shape[1], device=positions.device)  # [T]
             last = torch.where(valid, steps, -1).max(dim=1).values.clamp(min=0)  # [B]
             hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
-        logits = self.lm_head(hidden).float()  # [B, T, V] or [B, V]
+        logits = linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # [B, T, V] or [B, V]
         if self.args.final_logit_softcapping is not None:
             cap = self.args.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

@@ -182,6 +182,8 @@ def draw_uniforms(num_draft_tokens: Tensor, gamma: int, generators: Generators =
             f"generators has {len(generators)} entries but the batch has B={batch} rows; pass one "
             "torch.Generator per row, a single torch.Generator, or None"
         )
+    if batch == 0:  # an empty batch draws nothing (torch.cat of no draws would fail)
+        return torch.ones(0, gamma, dtype=torch.float64, device=device), torch.ones(0, dtype=torch.float64, device=device)
     counts = num_draft_tokens.tolist()
     draws = [
         torch.rand(n + 1, dtype=torch.float64, generator=g, device=g.device).to(device)
@@ -556,6 +558,16 @@ def greedy_verify(
             )
     gamma = draft_tokens.shape[1]
     target_tokens = target_logits.argmax(-1)  # [B, G+1]
+    if validate:  # argmax picks a NaN as the maximum: check the chosen values (free: [B, G+1] gathered)
+        chosen = target_logits.gather(-1, target_tokens[..., None]).squeeze(-1)  # [B, G+1]
+        used = torch.arange(gamma + 1, device=target_logits.device)[None, :] <= num_draft_tokens[:, None]
+        bad = ~torch.isfinite(chosen) & used
+        if bad.any():
+            b, i = bad.nonzero()[0].tolist()
+            raise ValueError(
+                f"target_logits[{b}, {i}] has maximum {chosen[b, i].item()}; logits must be finite where used "
+                "(NaN, +inf or all -inf rows have no argmax to trust: check the model's forward pass)"
+            )
     valid = torch.arange(gamma, device=draft_tokens.device)[None, :] < num_draft_tokens[:, None]  # [B, G]
     num_accepted = accepted_prefix_length((draft_tokens == target_tokens[:, :gamma]) & valid)
     final = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)

@@ -3,11 +3,27 @@
 Handlers never touch the models: they validate, tokenize, `Scheduler.submit` a Request whose sink hands the
 model thread's events to the handler's asyncio queue, and await. A client that disconnects (mid-stream, or
 while waiting for a non-streamed answer) has its request cancelled; the scheduler frees its slot at the next
-step. Errors are OpenAI-style JSON, {"error": {"message", "type", "param", "code"}}: 400 bad parameters
-(including body validation, like OpenAI), 401 missing/wrong API key, 404 unknown route or model, 429 queue full,
-503 engine not running. /health and /metrics stay open when an API key is set (as in vLLM); /v1/* need it.
-Extensions beyond OpenAI's fields (vLLM's names): top_k (0 or -1 = off), ignore_eos. max_tokens defaults to
-16 for completions (OpenAI) and to the slot's remaining room for chat (vLLM).
+step. /health and /metrics stay open when an API key is set (as in vLLM); /v1/* need it.
+
+Every error is an OpenAI-style JSON object, {"error": {"message", "type", "param", "code"}}, never a
+traceback, and no input gives a 500 (500 means the engine itself failed on a request, e.g. non-finite logits):
+  400  malformed body (not JSON, not UTF-8, unpaired surrogates), wrong types (body validation, like OpenAI),
+       bad values, unsupported options (n != 1, logprobs, fields such as logit_bias or penalties whose meaning
+       this server does not implement: ignoring them would silently change the output), fields that try to
+       pick a model, draft or file (they are fixed when the server starts), too many or too long stop
+       strings, a prompt or prompt + max_tokens past the context (code context_length_exceeded);
+  401  missing or wrong API key (compared in constant time);
+  404  unknown route, or a model other than the served one;
+  413  a body larger than max_body_bytes (Content-Length or streamed);
+  422  well-formed JSON that cannot be processed: a body that is not a JSON object, a conversation the chat
+       template refuses;
+  429  the waiting queue is full (with Retry-After);
+  503  the server is draining (SIGTERM) or the engine is not running (with Retry-After);
+  504  the request ran past the server's per-request timeout (--request-timeout-s); a stream gets an error
+       event instead, then [DONE].
+Other unknown fields are ignored (vLLM's behaviour). Extensions beyond OpenAI's fields (vLLM's names): top_k
+(0 or -1 = off), ignore_eos. max_tokens defaults to 16 for completions (OpenAI) and to the slot's remaining
+room for chat (vLLM). A temperature below 1e-5 is greedy (vLLM's rule: dividing logits by it overflows).
 """
 
 from __future__ import annotations
@@ -15,9 +31,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request as HTTPRequest
@@ -28,13 +45,48 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specgate.sampling import SamplingParams
 from specgate.serving.metrics import CONTENT_TYPE_LATEST
-from specgate.serving.scheduler import QueueFullError, Request, RequestTooLongError, Scheduler
+from specgate.serving.scheduler import QueueFullError, Request, RequestTooLongError, Scheduler, ServerDrainingError
 
-DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client (and the engine) is still there
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB of JSON: far more than max_seq_len tokens of text
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: smaller temperatures are treated as greedy
+RETRY_AFTER_FULL_S = 1  # 429: a slot frees as soon as any running request finishes
+RETRY_AFTER_UNAVAILABLE_S = 5  # 503: draining or restarting takes longer
 ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 422: "invalid_request_error",
-    429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable",
+    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+    422: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable",
+    504: "timeout_error",
 }
+# Fields of OpenAI / vLLM requests this server does not implement: refused unless left at their no-op value.
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": lambda v: not v,
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "repetition_penalty": lambda v: v in (None, 1),
+    "min_p": lambda v: v in (None, 0),
+    "min_tokens": lambda v: v in (None, 0),
+    "suffix": lambda v: not v,
+    "top_logprobs": lambda v: v in (None, 0),
+    "prompt_logprobs": lambda v: v is None,
+    "stop_token_ids": lambda v: not v,
+    "use_beam_search": lambda v: not v,
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+}
+# Fields that would choose another model, draft, adapter or file: the server's are fixed when it starts.
+FIXED_AT_START = (
+    "draft", "draft_model", "speculative_model", "speculative_config", "model_path", "tokenizer", "revision",
+    "trust_remote_code", "lora_request", "adapter",
+)
 
 
 class APIError(Exception):
@@ -43,9 +95,71 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+class ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message quoting the client's text stays encodable (lone surrogates)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def retry_after(status: int) -> dict[str, str]:
+    seconds = {429: RETRY_AFTER_FULL_S, 503: RETRY_AFTER_UNAVAILABLE_S}.get(status)
+    return {} if seconds is None else {"Retry-After": str(seconds)}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return ASCIIJSONResponse(error_body(status, message, param, code), status_code=status, headers=retry_after(status))
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over max_bytes (by Content-Length, or counted as it streams in).
+
+    The body is read here (at most max_bytes) and replayed to the app; later receive() calls go to the
+    client's connection, so the app still sees a disconnect.
+    """
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        too_large = error_response(
+            413, f"the request body is larger than this server's limit of {self.max_bytes} bytes: send a shorter "
+            "prompt (or start the server with a larger --max-body-bytes)", code="request_too_large",
+        )
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                return await error_response(400, f"Content-Length {declared[:32]!r} is not a byte count")(scope, receive, send)
+            if int(declared) > self.max_bytes:
+                return await too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await too_large(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 class StreamOptions(BaseModel):
@@ -53,7 +167,7 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields are checked (UNSUPPORTED_FIELDS, FIXED_AT_START)
     model: str | None = None
     max_tokens: int | None = Field(default=None)
     temperature: float = 1.0
@@ -74,10 +188,16 @@ class CompletionBody(SamplingFields):
     prompt: str | list[int] | list[str]
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
 
 class ChatBody(SamplingFields):
@@ -89,11 +209,53 @@ def _param_named(message: str, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if n in message), None)
 
 
-def create_app(scheduler: Scheduler, *, model_name: str, metrics: Any, api_key: str | None = None, default_max_tokens: int = 16) -> FastAPI:
-    """The FastAPI app serving `scheduler` (whose loop must run in its own thread) under the name model_name."""
+def check_text(name: str, text: str) -> str:
+    """Refuse strings that are not valid Unicode (JSON escapes can smuggle in unpaired surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"{name} contains an unpaired UTF-16 surrogate at index {exc.start}: send valid Unicode text", name) from None
+    return text
+
+
+def check_extra_fields(body: BaseModel) -> None:
+    for name, value in (body.model_extra or {}).items():
+        if name in FIXED_AT_START:
+            raise APIError(
+                400, f"'{name}' cannot be chosen per request: the model and draft are fixed when the server starts "
+                "(specgate serve --target / --draft); leave the field out", name, "unsupported_parameter",
+            )
+        is_default = UNSUPPORTED_FIELDS.get(name)
+        if is_default is not None and not is_default(value):
+            raise APIError(400, f"{name}={value!r:.80} is not supported by this server: leave it out", name, "unsupported_parameter")
+
+
+def create_app(
+    scheduler: Scheduler,
+    *,
+    model_name: str,
+    metrics: Any,
+    api_key: str | None = None,
+    default_max_tokens: int = 16,
+    request_timeout_s: float | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The FastAPI app serving `scheduler` (whose loop must run in its own thread) under the name model_name.
+
+    request_timeout_s: seconds from arrival after which a request is ended (Request.timeout_s; None = never).
+    max_body_bytes: the largest request body accepted (413 above it).
+    """
+    if request_timeout_s is not None and not (math.isfinite(request_timeout_s) and request_timeout_s > 0):
+        raise ValueError(f"request_timeout_s={request_timeout_s} is invalid: use a number of seconds > 0, or None for no limit")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes={max_body_bytes} is invalid: use a positive byte count, e.g. {DEFAULT_MAX_BODY_BYTES}")
     app = FastAPI(title="specgate", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     tokenizer = scheduler.target.tokenizer
     created = int(time.time())
+    # no token spans more characters than the longest vocabulary entry: a text longer than that many
+    # characters per context position cannot fit, and is refused without tokenizing it
+    max_prompt_chars = max((len(token) for token in tokenizer.get_vocab()), default=1) * scheduler.max_seq_len
 
     @app.exception_handler(APIError)
     async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
@@ -102,33 +264,66 @@ def create_app(scheduler: Scheduler, *, model_name: str, metrics: Any, api_key: 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        kind = first.get("type", "")
+        if kind == "json_invalid":
+            return error_response(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')}): send a JSON object")
         loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        if not loc and kind == "missing":
+            return error_response(400, "the body is empty or null: send a JSON object of request fields, e.g. {\"prompt\": \"Hello\"}")
+        if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
+            return error_response(422, "the body must be a JSON object of request fields, e.g. {\"prompt\": \"Hello\"}")
         param = ".".join(loc) or None
         return error_response(400, f"invalid request: {param or 'body'}: {first.get('msg', 'invalid value')}", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        message = "the body could not be parsed: send UTF-8 JSON" if exc.status_code == 400 else str(exc.detail)
+        return error_response(exc.status_code, message)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: HTTPRequest, exc: Exception) -> JSONResponse:  # a bug: still an OpenAI-style object
+        return error_response(500, f"internal error ({type(exc).__name__}): please report it")
 
     async def require_key(request: HTTPRequest) -> None:
         if api_key is None:
             return
         header = request.headers.get("authorization", "")
         given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), api_key.encode()):
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 
     def check_model(name: str | None) -> None:
         if name not in (None, "", model_name):
-            raise APIError(404, f"the model '{name}' does not exist: this server serves '{model_name}'", "model", "model_not_found")
+            raise APIError(404, f"the model '{name:.200}' does not exist: this server serves '{model_name}'", "model", "model_not_found")
 
     def engine_alive() -> bool:
         return scheduler.thread is not None and scheduler.thread.is_alive()
 
-    def build_request(body: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> Request:
+    def check_stop(stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise APIError(400, f"stop has {len(stops)} strings: use at most {MAX_STOP_SEQUENCES}", "stop")
+        for s in stops:
+            if s == "":
+                raise APIError(400, "stop contains an empty string: each stop string needs >= 1 character", "stop")
+            if len(s) > MAX_STOP_CHARS:
+                raise APIError(400, f"a stop string has {len(s)} characters: use at most {MAX_STOP_CHARS}", "stop")
+            check_text("stop", s)
+        return stops
+
+    def check_prompt_chars(text: str, param: str) -> str:
+        if len(text) > max_prompt_chars:
+            raise APIError(
+                400, f"the prompt has {len(text)} characters, more than {scheduler.max_seq_len} tokens (this server's context) "
+                "can hold: shorten it", param, "context_length_exceeded",
+            )
+        return text
+
+    def build_request(body: SamplingFields, prompt_ids: list[int], max_tokens: int | None, prompt_param: str) -> Request:
         check_model(body.model)
+        check_extra_fields(body)
         if body.n != 1:
             raise APIError(400, f"n={body.n} is not supported: use n=1 (one choice per request)", "n")
         for name, value, default in (("logprobs", body.logprobs, None), ("echo", body.echo, False), ("best_of", body.best_of, None)):
@@ -139,27 +334,38 @@ def create_app(scheduler: Scheduler, *, model_name: str, metrics: Any, api_key: 
             raise APIError(400, f"max_tokens={max_tokens} is invalid: it must be >= 1", "max_tokens")
         if body.top_k < -1:
             raise APIError(400, f"top_k={body.top_k} is invalid: use 0 or -1 (off) or a positive integer", "top_k")
+        temperature = body.temperature
+        if 0.0 <= temperature < GREEDY_BELOW_TEMPERATURE:
+            temperature = 0.0
         try:
-            params = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p)
+            params = SamplingParams(temperature=temperature, top_k=max(body.top_k, 0), top_p=body.top_p)
         except ValueError as exc:
             raise APIError(400, str(exc), _param_named(str(exc), ("temperature", "top_k", "top_p"))) from None
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if any(s == "" for s in stop):
-            raise APIError(400, "stop contains an empty string: each stop string needs >= 1 character", "stop")
+        stop = check_stop(body.stop)
         if not prompt_ids:
-            raise APIError(400, "the prompt is empty (0 tokens): give a non-empty prompt", "prompt")
+            raise APIError(400, f"the {prompt_param} is empty (0 tokens): give a non-empty prompt", prompt_param)
+        if len(prompt_ids) >= scheduler.max_seq_len:
+            raise APIError(
+                400, f"the prompt has {len(prompt_ids)} tokens but this server's context is {scheduler.max_seq_len} "
+                f"positions (prompt + max_tokens): shorten the prompt to at most {scheduler.max_seq_len - 1} tokens",
+                prompt_param, "context_length_exceeded",
+            )
         seed = secrets.randbits(62) if body.seed is None else body.seed
-        return Request(prompt_ids, params, max_tokens=max_tokens, seed=seed, stop=stop, ignore_eos=body.ignore_eos)
+        return Request(
+            prompt_ids, params, max_tokens=max_tokens, seed=seed, stop=stop, ignore_eos=body.ignore_eos, timeout_s=request_timeout_s,
+        )
 
     def submit(request: Request, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
         if not engine_alive():
-            raise APIError(503, "the engine is not running (starting up or shut down): retry later")
+            raise APIError(503, "the engine is not running (starting up or shut down): retry later", code="engine_unavailable")
         queue: asyncio.Queue = asyncio.Queue()
         request.sink = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
         try:
             scheduler.submit(request)
         except QueueFullError as exc:
             raise APIError(429, str(exc), code="queue_full") from None
+        except ServerDrainingError as exc:
+            raise APIError(503, str(exc) or "the server is shutting down: retry on another instance", code="server_draining") from None
         except RequestTooLongError as exc:
             raise APIError(400, str(exc), "max_tokens", "context_length_exceeded") from None
         except ValueError as exc:
@@ -167,14 +373,24 @@ def create_app(scheduler: Scheduler, *, model_name: str, metrics: Any, api_key: 
         return queue
 
     async def events(request: Request, queue: asyncio.Queue, http: HTTPRequest) -> AsyncIterator[tuple]:
-        """The request's events until "done"; cancels the request if the client goes away."""
-        finished = False
+        """The request's events until "done"; cancels the request if the client goes away; ("dead",) if the engine stops."""
+        finished, checked_s = False, time.monotonic()
         try:
             while True:
                 try:
                     event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    event = None
+                # check the client every DISCONNECT_POLL_S even while events keep coming (a busy request
+                # never times out on its queue, and nothing else notices a non-streamed client leaving)
+                if event is None or time.monotonic() - checked_s >= DISCONNECT_POLL_S:
+                    checked_s = time.monotonic()
                     if await http.is_disconnected():
+                        return
+                if event is None:
+                    if not engine_alive() and queue.empty():
+                        finished = True
+                        yield ("dead", None)
                         return
                     continue
                 yield event
@@ -189,8 +405,16 @@ def create_app(scheduler: Scheduler, *, model_name: str, metrics: Any, api_key: 
         completion = len(request.tokens)
         return {"prompt_tokens": request.prompt_len, "completion_tokens": completion, "total_tokens": request.prompt_len + completion}
 
-    def finish_reason(request: Request) -> str:
-        return "length" if request.finish_reason == "length" else "stop"
+    def failure(request: Request | None) -> tuple[int, str, str]:
+        """(status, message, code) of a request that did not finish normally (None: the engine stopped)."""
+        if request is None:
+            return 503, "the engine stopped while this request was running: retry later", "engine_unavailable"
+        if request.finish_reason == "timeout":
+            return 504, (
+                f"the request ran past this server's per-request timeout of {request_timeout_s:g} s after "
+                f"{len(request.tokens)} tokens: ask for fewer max_tokens, or retry when the server is less busy"
+            ), "request_timeout"
+        return 500, f"the engine failed on this request: {request.error or scheduler.last_error!r}", "engine_error"
 
     async def run(http: HTTPRequest, request: Request, chat: bool) -> Response:
         loop = asyncio.get_running_loop()
@@ -215,10 +439,11 @@ def create_app(scheduler: Scheduler, *, model_name: str, metrics: Any, api_key: 
                 async for event in events(request, queue, http):
                     if event[0] == "text":
                         yield chunk(event[1], None)
-                    elif request.finish_reason == "error":
-                        yield f"data: {json.dumps({'error': {'message': 'the engine failed on this request', 'type': 'internal_error', 'param': None, 'code': None}})}\n\n"
+                    elif event[0] == "dead" or request.finish_reason in ("timeout", "error"):
+                        status, message, code = failure(None if event[0] == "dead" else request)
+                        yield f"data: {json.dumps(error_body(status, message, None, code))}\n\n"
                     else:
-                        yield chunk(None, finish_reason(request))
+                        yield chunk(None, request.finish_reason if request.finish_reason == "length" else "stop")
                         if include_usage:
                             obj = {"id": ident, "object": kind + (".chunk" if chat else ""), "created": int(time.time()), "model": model_name, "choices": [], "usage": usage(request)}
                             yield f"data: {json.dumps(obj)}\n\n"
@@ -226,16 +451,19 @@ def create_app(scheduler: Scheduler, *, model_name: str, metrics: Any, api_key: 
 
             return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-        async for _ in events(request, queue, http):
-            pass
-        if request.finish_reason == "error":
-            return error_response(500, f"the engine failed on this request: {scheduler.last_error!r}")
+        dead = False
+        async for event in events(request, queue, http):
+            dead = event[0] == "dead"
+        if dead or request.finish_reason in ("timeout", "error"):
+            status, message, code = failure(None if dead else request)
+            return error_response(status, message, code=code)
         if request.finish_reason is None or request.finish_reason == "cancelled":
             return Response(status_code=499)  # the client went away; nobody reads this
+        reason = "length" if request.finish_reason == "length" else "stop"
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": request.text}, "finish_reason": finish_reason(request), "logprobs": None}
+            choice = {"index": 0, "message": {"role": "assistant", "content": request.text}, "finish_reason": reason, "logprobs": None}
         else:
-            choice = {"index": 0, "text": request.text, "finish_reason": finish_reason(request), "logprobs": None}
+            choice = {"index": 0, "text": request.text, "finish_reason": reason, "logprobs": None}
         return JSONResponse({"id": ident, "object": kind, "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage(request)})
 
     @v1.post("/completions")
@@ -246,13 +474,13 @@ def create_app(scheduler: Scheduler, *, model_name: str, metrics: Any, api_key: 
                 raise APIError(400, f"prompt is a list of {len(prompt)} strings: send one prompt per request", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = tokenizer(prompt)["input_ids"] if prompt else []
+            prompt_ids = tokenizer(check_prompt_chars(check_text("prompt", prompt), "prompt"))["input_ids"] if prompt else []
         else:
             prompt_ids = [int(t) for t in prompt]
             vocab = int(scheduler.target.model.vocab_size)
             if any(not 0 <= t < vocab for t in prompt_ids):
                 raise APIError(400, f"prompt token ids must be in 0..{vocab - 1} (the model's vocabulary)", "prompt")
-        request = build_request(body, list(prompt_ids), body.max_tokens)
+        request = build_request(body, list(prompt_ids), body.max_tokens, "prompt")
         http.state.stream, http.state.stream_options = body.stream, body.stream_options
         return await run(http, request, chat=False)
 
@@ -266,20 +494,22 @@ def create_app(scheduler: Scheduler, *, model_name: str, metrics: Any, api_key: 
         if not body.messages:
             raise APIError(400, "messages is empty: give at least one message", "messages")
         messages = []
-        for message in body.messages:
+        for i, message in enumerate(body.messages):
             content = message.content
             if isinstance(content, list):
-                content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
-            messages.append({"role": message.role, "content": content or ""})
+                if any(part.type != "text" or part.text is None for part in content):
+                    raise APIError(400, f"messages[{i}].content has a part that is not {{'type': 'text', 'text': ...}}: this server takes text only", "messages")
+                content = "".join(part.text for part in content)
+            messages.append({"role": check_text("messages", message.role), "content": check_text("messages", content or "")})
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
-            raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from None
-        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        max_tokens = body.max_completion_tokens or body.max_tokens
+            raise APIError(422, f"the chat template rejected the messages: {exc}", "messages") from None
+        prompt_ids = tokenizer(check_prompt_chars(text, "messages"), add_special_tokens=False)["input_ids"]
+        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if max_tokens is None:  # chat default (vLLM's): whatever room the slot has left
             max_tokens = max(scheduler.max_seq_len - len(prompt_ids), 1)
-        request = build_request(body, list(prompt_ids), max_tokens)
+        request = build_request(body, list(prompt_ids), max_tokens, "messages")
         http.state.stream, http.state.stream_options = body.stream, body.stream_options
         return await run(http, request, chat=True)
 
@@ -293,7 +523,9 @@ def create_app(scheduler: Scheduler, *, model_name: str, metrics: Any, api_key: 
     @app.get("/health")
     async def health() -> Response:
         if not engine_alive():
-            return error_response(503, "the engine is not running")
+            return error_response(503, "the engine is not running", code="engine_unavailable")
+        if scheduler.draining:
+            return error_response(503, "the server is draining (shutting down): send new requests elsewhere", code="server_draining")
         return JSONResponse({"status": "ok", "running": len(scheduler.running), "waiting": len(scheduler.waiting)})
 
     @app.get("/metrics")

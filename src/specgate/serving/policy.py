@@ -1,19 +1,25 @@
 """Speculation policies: how many draft tokens (gamma) each running request gets at each scheduler step.
 
-    policy.choose(acceptance) -> list[int]      # acceptance: per running request, its live alpha estimate
+    policy.choose(acceptance, caps) -> list[int]
+        acceptance[i]: request i's live estimate: None (unknown), one alpha, or conditional rates per draft
+                       position [a_1, a_2, ...] (specgate.serving.acceptance); caps[i]: the most drafts request i
+                       can take this step (its remaining budget - 1; for lookup drafters, the drafts available).
 
 - `off`: gamma 0 for everyone (plain target decoding through the same loop).
 - `fixed`: the same gamma every step, whatever the load.
 - `table`: vLLM-style per-batch-size table [(lo, hi, gamma), ...]; a batch size outside every range gets 0.
 - `adaptive`: a cost model calibrated on the running machine (target step time as a function of batch size
-  and tokens verified per row, draft step time per draft token as a function of batch size) and each
-  request's live acceptance estimate; each step it picks the gamma in 0..gamma_max that maximises expected
-  goodput = sum_i E[T](alpha_i, gamma) / predicted step time (Leviathan's E[T], specgate.theory).
+  and tokens per row, draft step time as a function of the rows drafting) and each request's live acceptance
+  profile; each step it chooses the VECTOR of gammas (0 included) that maximises expected goodput =
+  sum_i E[T_i](gamma_i) / predicted step time, E[T](gamma) = 1 + sum_{k<=gamma} prod_{j<=k} a_j.
 
-The adaptive policy picks ONE gamma per step, shared by every running request: the batched target pass is
-padded to the longest row (T = max gamma + 1 for every row) and the batched draft pass runs max gamma
-sequential draft forwards, so the step's cost is set by the largest gamma; giving every row that gamma adds
-expected tokens at no extra modelled cost. Requests without an estimate yet use `prior_alpha`.
+Joint choice. The batched target pass is padded to its widest row (its cost depends on the batch and on
+W = max gamma_i + 1), and the draft model's k-th sequential pass runs over the rows with gamma_i >= k. So the
+adaptive policy searches, for every width W in 1..gamma_max and every k, the plan "the k requests with the most
+expected extra tokens at min(cap_i, W) drafts get that many, the others 0", plus "everyone 0", and keeps the
+best (ties go to fewer drafts). With free lookup drafts a request drafts whenever the width is paid for anyway;
+with a draft model, a request whose drafts are rarely accepted is dropped when its rows in the draft passes
+cost more than its expected extra tokens are worth.
 """
 
 from __future__ import annotations
@@ -25,11 +31,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specgate.theory import expected_tokens
 
 POLICY_NAMES = ("adaptive", "fixed", "table", "off")
 CALIBRATION_BATCH_SIZES = (1, 2, 4, 8, 16)
 DEFAULT_GAMMA_MAX = 8
+Acceptance = float | Sequence[float] | None  # one alpha, conditional rates per position, or unknown
 
 
 def _check_gamma(gamma: int, name: str = "gamma") -> int:
@@ -43,9 +49,14 @@ class SpeculationPolicy(ABC):
 
     name = "policy"
 
+    @property
     @abstractmethod
-    def choose(self, acceptance: Sequence[float | None]) -> list[int]:
-        """One gamma (>= 0) per running request."""
+    def max_gamma(self) -> int:
+        """The largest gamma this policy can ever choose (the scheduler proposes lookup drafts up to it)."""
+
+    @abstractmethod
+    def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
+        """One gamma (>= 0) per running request; the scheduler clips each to caps[i] anyway."""
 
     def describe(self) -> dict:
         return {"policy": self.name}
@@ -53,8 +64,9 @@ class SpeculationPolicy(ABC):
 
 class OffPolicy(SpeculationPolicy):
     name = "off"
+    max_gamma = 0
 
-    def choose(self, acceptance: Sequence[float | None]) -> list[int]:
+    def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
         return [0] * len(acceptance)
 
 
@@ -64,7 +76,11 @@ class FixedPolicy(SpeculationPolicy):
     def __init__(self, gamma: int) -> None:
         self.gamma = _check_gamma(gamma)
 
-    def choose(self, acceptance: Sequence[float | None]) -> list[int]:
+    @property
+    def max_gamma(self) -> int:
+        return self.gamma
+
+    def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
         return [self.gamma] * len(acceptance)
 
     def describe(self) -> dict:
@@ -110,7 +126,11 @@ class TablePolicy(SpeculationPolicy):
                 return gamma
         return 0
 
-    def choose(self, acceptance: Sequence[float | None]) -> list[int]:
+    @property
+    def max_gamma(self) -> int:
+        return max(gamma for _, _, gamma in self.table)
+
+    def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
         return [self.gamma_for(len(acceptance))] * len(acceptance)
 
     def describe(self) -> dict:
@@ -122,9 +142,9 @@ class CostModel:
     """Predicted step times in ms, interpolated from measurements.
 
     target_ms[(batch, tokens_per_row)]: one target forward of `batch` rows of `tokens_per_row` tokens each;
-    draft_ms[batch]: one draft forward of `batch` rows of one token (a step with gamma drafts costs gamma of
-    them; empty for lookup drafters, whose cost is negligible). Between measured points the time is linear in
-    tokens per row and piecewise linear in batch size (extrapolated from the last segment beyond the grid).
+    draft_ms[batch]: one draft forward of `batch` rows of one token (a step's k-th draft pass runs over the rows
+    drafting >= k tokens; empty for lookup drafters, whose cost is negligible). Between measured points the time
+    is linear in tokens per row and piecewise linear in batch size (extrapolated from the last segment).
     """
 
     target_ms: dict[tuple[int, int], float]
@@ -174,7 +194,11 @@ class CostModel:
 
 
 class AdaptivePolicy(SpeculationPolicy):
-    """Maximise expected goodput (emitted tokens per ms) over one shared gamma in 0..gamma_max each step."""
+    """Maximise expected goodput (emitted tokens per ms) over per-request gammas in 0..gamma_max each step.
+
+    See the module docstring for the search. prior_alpha: the flat acceptance used for a request with no
+    estimate (the scheduler passes per-position profiles that already blend in the traffic's estimate).
+    """
 
     name = "adaptive"
 
@@ -185,17 +209,61 @@ class AdaptivePolicy(SpeculationPolicy):
             raise ValueError(f"prior_alpha={prior_alpha} is out of range [0, 1]")
         self.prior_alpha = prior_alpha
 
-    def goodput(self, acceptance: Sequence[float | None], gamma: int) -> float:
-        """Expected emitted tokens per ms of one step with `gamma` drafts for every request."""
-        alphas = [self.prior_alpha if a is None else min(max(a, 0.0), 1.0) for a in acceptance]
-        tokens = len(alphas) if gamma == 0 else sum(expected_tokens(a, gamma) for a in alphas)
-        return tokens / self.cost_model.step_ms(len(alphas), gamma)
+    @property
+    def max_gamma(self) -> int:
+        return self.gamma_max
 
-    def choose(self, acceptance: Sequence[float | None]) -> list[int]:
-        if not acceptance:
-            return []
-        best = max(range(self.gamma_max + 1), key=lambda g: (self.goodput(acceptance, g), -g))
-        return [best] * len(acceptance)
+    def rates(self, acceptance: Sequence[Acceptance]) -> np.ndarray:
+        """Conditional acceptance per request and draft position, clipped to [0, 1]: [B, gamma_max]."""
+        rows = np.empty((len(acceptance), self.gamma_max))
+        for i, estimate in enumerate(acceptance):
+            if estimate is None or np.ndim(estimate) == 0:
+                rows[i] = self.prior_alpha if estimate is None else float(estimate)
+            else:
+                profile = np.asarray(estimate, dtype=float)[: self.gamma_max]
+                rows[i, : profile.size] = profile
+                rows[i, profile.size :] = profile[-1] if profile.size else self.prior_alpha
+        return np.clip(rows, 0.0, 1.0)
+
+    def plan(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> tuple[list[int], float]:
+        """The best gamma per request and its expected goodput (tokens per ms)."""
+        batch = len(acceptance)
+        if batch == 0:
+            return [], 0.0
+        limit = np.full(batch, self.gamma_max) if caps is None else np.clip(np.asarray(caps, dtype=int), 0, self.gamma_max)  # [B]
+        gain = np.zeros((batch, self.gamma_max + 1))  # [B, G+1]: expected accepted drafts with g drafts
+        gain[:, 1:] = np.cumsum(np.cumprod(self.rates(acceptance), axis=1), axis=1)
+        target_ms = np.array([self.cost_model.target_step_ms(batch, w + 1) for w in range(self.gamma_max + 1)])  # [G+1]
+        draft_ms = np.array([0.0] + [self.cost_model.draft_step_ms(b) for b in range(1, batch + 1)])  # [B+1]
+        best_gammas, best_goodput = np.zeros(batch, dtype=int), batch / target_ms[0]
+        for width in range(1, min(self.gamma_max, int(limit.max())) + 1):
+            gammas = np.minimum(limit, width)  # [B]
+            value = gain[np.arange(batch), gammas]  # [B] expected extra tokens
+            order = np.argsort(-value, kind="stable")  # most valuable first
+            ranked = gammas[order]  # [B]
+            # prefix k (rows order[:k] draft): rows in the s-th draft pass, the widest row, the expected tokens
+            drafting = np.cumsum(ranked[:, None] >= np.arange(1, width + 1)[None], axis=0)  # [B, W]
+            cost_ms = draft_ms[drafting].sum(axis=1) + target_ms[np.maximum.accumulate(ranked)]  # [B]
+            goodput = (batch + np.cumsum(value[order])) / cost_ms  # [B]
+            k = int(np.argmax(goodput))
+            if goodput[k] > best_goodput * (1 + 1e-9):
+                best_goodput = float(goodput[k])
+                best_gammas = np.zeros(batch, dtype=int)
+                best_gammas[order[: k + 1]] = ranked[: k + 1]
+        return best_gammas.tolist(), float(best_goodput)
+
+    def goodput(self, acceptance: Sequence[Acceptance], gammas: Sequence[int] | int) -> float:
+        """Expected emitted tokens per ms of one step with these gammas (one int = the same for every request)."""
+        batch = len(acceptance)
+        gammas = [gammas] * batch if isinstance(gammas, int) else list(gammas)
+        gain = np.cumsum(np.cumprod(self.rates(acceptance), axis=1), axis=1)  # [B, G]
+        tokens = batch + sum(float(gain[i, g - 1]) for i, g in enumerate(gammas) if g > 0)
+        rows_per_pass = [sum(g >= s for g in gammas) for s in range(1, max(gammas, default=0) + 1)]
+        drafts_ms = sum(self.cost_model.draft_step_ms(rows) for rows in rows_per_pass)
+        return tokens / (drafts_ms + self.cost_model.target_step_ms(batch, max(gammas, default=0) + 1))
+
+    def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
+        return self.plan(acceptance, caps)[0]
 
     def describe(self) -> dict:
         return {"policy": self.name, "gamma_max": self.gamma_max, "prior_alpha": self.prior_alpha, "cost_model": self.cost_model.to_dict()}
@@ -212,6 +280,17 @@ def time_ms(fn: Callable[[], object], repeats: int) -> float:
     return float(np.median(times))
 
 
+def calibration_tokens(gamma_max: int) -> list[int]:
+    """Tokens per row to measure: 1, 2, 3, then 2^k + 1 up to gamma_max + 1 (gamma_max 8 -> 1, 2, 3, 5, 9).
+
+    Dense at the low end because that is where the curve bends: at batch 1 the first extra tokens are almost
+    free (memory-bound), at batch 16 they cost nearly linearly (compute-bound); two points cannot show both.
+    """
+    points = {1, gamma_max + 1} | {t for t in (2, 3) if t <= gamma_max + 1}
+    points |= {2**k + 1 for k in range(2, 7) if 2**k + 1 <= gamma_max + 1}
+    return sorted(points)
+
+
 def calibrate_cost_model(
     target_model,
     draft_model=None,
@@ -219,39 +298,46 @@ def calibrate_cost_model(
     gamma_max: int = DEFAULT_GAMMA_MAX,
     batch_sizes: Sequence[int] = CALIBRATION_BATCH_SIZES,
     context_len: int = 64,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> CostModel:
-    """Measure target forwards (batch x {1, gamma_max + 1} tokens per row) and draft forwards (batch x 1 token).
+    """Measure target forwards (batch x calibration_tokens(gamma_max) per row) and draft forwards (batch x 1).
 
     target_model / draft_model: specgate CausalLM (draft None for lookup drafters). Runs on a scratch cache of
     max(batch_sizes) slots whose first context_len positions are filled, so attention reads a realistic context.
-    Each point is the median of `repeats` runs after a warm-up; the grid is then made monotone (see monotone).
-    Calibrate on a quiet machine: the policy is only as good as these numbers.
+    The grid is swept `repeats` times after a warm-up sweep, interleaved, and each point keeps its fastest sample:
+    interference only ever adds time, and on a shared 2-core machine it is large (an oversubscribed multi-token
+    GEMM measured 4-10x its quiet time), so a burst must not land on every sample of one point. The grid is then
+    made monotone (see monotone). Calibrate on a quiet machine: the policy is only as good as these numbers.
     """
     import torch
 
     _check_gamma(gamma_max, "gamma_max")
-    tokens_grid = sorted({1, gamma_max + 1})
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1 (calibration sweeps per point)")
+    tokens_grid = calibration_tokens(gamma_max)
     max_batch = max(batch_sizes)
     seq_len = context_len + gamma_max + 1
-    target_ms: dict[tuple[int, int], float] = {}
-    draft_ms: dict[int, float] = {}
+    points = [("target", b, t) for b in batch_sizes for t in tokens_grid]
+    points += [("draft", b, 1) for b in batch_sizes] if draft_model is not None else []
+    samples: dict[tuple[str, int, int], list[float]] = {point: [] for point in points}
     with torch.inference_mode():
-        models = [("target", target_model)] + ([("draft", draft_model)] if draft_model is not None else [])
-        for role, model in models:
-            cache = model.new_cache(max_batch, seq_len)
-            slots = torch.arange(max_batch, dtype=torch.int64)  # [B]
+        caches = {}
+        for role, model in [("target", target_model)] + ([("draft", draft_model)] if draft_model is not None else []):
+            cache = caches[role] = model.new_cache(max_batch, seq_len)
             ids = torch.ones(max_batch, context_len, dtype=torch.int64)  # [B, L]
-            model.forward(ids, torch.arange(context_len)[None].expand(max_batch, -1), cache, slots, last_only=True)
-            for batch in batch_sizes:
-                for tokens in tokens_grid if role == "target" else [1]:
-                    step_ids = torch.ones(batch, tokens, dtype=torch.int64)  # [B, T]
-                    positions = torch.arange(context_len, context_len + tokens)[None].expand(batch, -1)  # [B, T]
-                    ms = time_ms(lambda: model.forward(step_ids, positions, cache, slots[:batch]), repeats)
-                    if role == "target":
-                        target_ms[(batch, tokens)] = ms
-                    else:
-                        draft_ms[batch] = ms
+            model.forward(ids, torch.arange(context_len)[None].expand(max_batch, -1), cache, torch.arange(max_batch), last_only=True)
+        for sweep in range(repeats + 1):  # sweep 0 warms up
+            for role, batch, tokens in points:
+                model = target_model if role == "target" else draft_model
+                step_ids = torch.ones(batch, tokens, dtype=torch.int64)  # [B, T]
+                positions = torch.arange(context_len, context_len + tokens)[None].expand(batch, -1)  # [B, T]
+                start = time.perf_counter()
+                logits = model.forward(step_ids, positions, caches[role], torch.arange(batch))  # [B, T, V]
+                logits.max(dim=-1)  # the step's passes over the logits (NaN check, verification) scale with B x T too
+                if sweep:
+                    samples[(role, batch, tokens)].append((time.perf_counter() - start) * 1e3)
+    target_ms = {(b, t): min(times) for (role, b, t), times in samples.items() if role == "target"}
+    draft_ms = {b: min(times) for (role, b, _), times in samples.items() if role == "draft"}
     return monotone(CostModel(target_ms=target_ms, draft_ms=draft_ms))
 
 

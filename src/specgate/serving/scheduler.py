@@ -3,13 +3,18 @@
 Requests join a bounded waiting queue, are admitted when one of `num_slots` KV-cache rows is free, prefilled,
 then decoded step by step while other requests join and leave between steps. One step:
 
-  1. admit: move waiting requests into free slots; prefill their prompts (minus the last token) in one
-     ragged target forward (and nothing else: the draft cache catches up lazily in step 3).
-  2. policy: one gamma per running request (0 = no drafts), capped by the request's remaining budget - 1.
+  0. expire and drop: requests past their timeout_s finish "timeout"; cancelled ones finish "cancelled".
+  1. admit: move waiting requests into free slots; prefill prompts (minus the last token) in ragged target
+     forwards of at most `prefill_chunk_tokens` tokens per step (chunked prefill: a long prompt is spread over
+     several steps, so it delays the running requests' step by one bounded chunk, not its whole prompt). A
+     request decodes from the step in which its prefill completes. The draft cache catches up lazily in step 3.
+  2. policy: one gamma per decoding request (0 = no drafts), capped by its remaining budget - 1 and, for the
+     n-gram drafter, by the drafts it can actually propose (proposed first: lookups are free).
   3. draft: the n-gram drafter per request, or ONE batched draft-model pass (the draft CausalLM keeps its own
      cache with the same slot per request; it re-feeds from the first position whose token changed).
   4. score: ONE batched ragged target forward; row b feeds its last committed token + its drafts at its own
-     absolute positions (-1 pads shorter rows).
+     absolute positions (-1 pads shorter rows). A row whose logits are not finite (NaN/inf) fails its request
+     alone (finish_reason "error", Request.error says why); the other rows go on in the same step.
   5. verify: one `greedy_verify` (every row greedy) or one `rejection_sample` / `verify` call for the whole
      batch, with one torch.Generator per request (seeded from the request's seed, like engine.generate).
   6. commit: EOS, stop strings (engine's OutputText semantics) and max_tokens end a request; its slot is freed
@@ -21,17 +26,23 @@ of KV memory; the price is that max_seq_len bounds prompt + max_tokens (longer r
 ValueError naming the limit). The preemption counter in the metrics therefore stays 0.
 
 Admission control: `submit` raises QueueFullError (HTTP 429) when running + waiting requests already reach
-num_slots + max_waiting, and RequestTooLongError (HTTP 400) when prompt + max_tokens > max_seq_len.
+num_slots + max_waiting, RequestTooLongError (HTTP 400) when prompt + max_tokens > max_seq_len, and
+ServerDrainingError (HTTP 503) after `drain()`: draining stops new submissions while the running and the
+already-waiting requests finish.
+
+finish_reason: "stop" (EOS or a stop string), "length" (max_tokens), "cancelled" (cancel()), "timeout" (past
+Request.timeout_s seconds from arrival; checked at the start of each step), "error" (non-finite logits in the
+request's rows, or an exception in a step, which fails every running request; Request.error says which).
 
 Threading: one thread owns the models (`run_forever`, or a caller driving `step()` by hand). `submit` and
 `cancel` may be called from any thread; a cancelled request is finished (finish_reason "cancelled") and its
 slot freed at the start of the next step. Request events go to the request's `sink` callback, called on the
 model thread: ("text", delta) as text becomes final, then ("done", request).
 
-Known limits: prefill is not chunked (admitting a long prompt delays the running requests' next step by its
-prefill); a step's cost is set by its longest row (drafts are padded to the longest, which is why the
-adaptive policy shares one gamma per step); `lossy` (a specgate.sampling.lossy mode) replaces exact
-verification for cost studies and is labelled lossless="false" in the metrics.
+Known limits: a step's target cost is set by its longest row (drafts are padded to the longest; the adaptive
+policy prices that when it chooses the per-request gammas); prefill chunks run as their own forward before the
+decode forward (not fused into it); `lossy` (a specgate.sampling.lossy mode) replaces exact verification for
+cost studies and is labelled lossless="false" in the metrics.
 """
 
 from __future__ import annotations
@@ -50,18 +61,18 @@ from torch import Tensor
 from specgate.drafting.ngram import NgramDrafter
 from specgate.engine.generate import OutputText, eos_token_ids
 from specgate.sampling import SamplingParams, greedy_verify, logits_to_probs, rejection_sample, verify
+from specgate.serving.acceptance import FLAT_PRIOR, TRAFFIC_DECAY, AcceptanceStats
 from specgate.serving.policy import SpeculationPolicy
 
-# Per-request acceptance estimate (alpha, the chance one draft is accepted), read by the adaptive policy:
-# EMAs of accepted and tested drafts (testing stops at the first rejection, so alpha_hat = accepted / tested),
-# blended with a prior of PRIOR_WEIGHT pseudo-drafts at ACCEPTANCE_PRIOR. Steps without drafts age the
-# evidence (STALE_DECAY), so a request written off after a few misses drifts back to the prior and is tried
-# again: without this, an estimate of 0 would stop drafting for good and could never be corrected. Lookup
-# (n-gram) drafts are free, so with them a step without drafts still yields evidence ("shadow" drafts).
-ACCEPTANCE_EMA_DECAY = 0.8
-ACCEPTANCE_PRIOR = 0.5
-PRIOR_WEIGHT = 1.0
-STALE_DECAY = 0.9
+# Acceptance estimates (specgate.serving.acceptance): per request and per draft position, blended with the
+# traffic's estimate. Draft-model rows learn from their verified drafts; steps without drafts age the evidence
+# (AcceptanceStats.age), so a request written off after a few misses drifts back to the prior and is tried again.
+# Lookup (n-gram) rows learn from the WHOLE proposal (up to the policy's max gamma), scored afterwards against the
+# tokens the request actually produced: draft k "would have been accepted" iff drafts 1..k equal the output
+# (exact for greedy; for sampling, with q one-hot, P(output = draft) = p(draft) = P(accept), so the indicator is
+# unbiased). Without this, positions beyond the chosen gamma are never tested, their estimate stays at the prior,
+# and the policy never tries longer drafts (measured at concurrency 2: stuck at gamma 2 on copy-span prompts).
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
 
 
 class QueueFullError(RuntimeError):
@@ -70,6 +81,10 @@ class QueueFullError(RuntimeError):
 
 class RequestTooLongError(ValueError):
     """prompt + max_tokens does not fit in a KV slot (HTTP 400)."""
+
+
+class ServerDrainingError(RuntimeError):
+    """The scheduler is draining (shutting down) and accepts no new request (HTTP 503)."""
 
 
 def seeded_generator(seed: int, stream: int) -> torch.Generator:
@@ -121,15 +136,16 @@ class Request:
     ignore_eos: bool = False
     sink: Callable[[tuple], None] | None = None
     request_id: str = ""
+    timeout_s: float | None = None  # seconds from arrival; past it the request finishes with "timeout"
     # live state (owned by the model thread)
     slot: int = -1
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    error: str | None = None  # why, when finish_reason is "error"
     stats: RequestStats = field(default_factory=RequestStats)
-    acceptance: float | None = None  # estimate of alpha (see ACCEPTANCE_EMA_DECAY); None before any draft
-    _tested_ema: float = 0.0
-    _accepted_ema: float = 0.0
+    acceptance: float | None = None  # estimated chance its first draft is accepted; None before any evidence
+    acceptance_stats: AcceptanceStats = field(default_factory=AcceptanceStats)  # per-position evidence
 
     @property
     def prompt_len(self) -> int:
@@ -201,8 +217,9 @@ class BatchedModelDrafter:
         logits = self._feed([requests[i].slot for i in active], chunks, starts)  # [B, V_d']
         rows = list(range(len(active)))
         for step in range(max(gammas[i] for i in active)):
+            finite = torch.isfinite(logits).all(dim=-1)  # [B]: a row with NaN/inf draft logits stops drafting
             next_rows, next_tokens = [], []
-            for row in rows:
+            for row in (r for r in rows if finite[r]):
                 i = active[row]
                 token, q = self._sample(logits[row], requests[i], generators[i])
                 out[i][0].append(token)
@@ -230,7 +247,8 @@ class Scheduler:
     max_seq_len: positions per slot (prompt + max_tokens must fit). max_waiting: requests allowed to wait for
     a slot beyond the running ones. metrics: an object with the specgate.serving.metrics.ServingMetrics hooks,
     or None. lossy: a specgate.sampling.lossy mode replacing exact verification (LOSSY; its steps are counted
-    under lossless="false" in the metrics), or None (exact).
+    under lossless="false" in the metrics), or None (exact). prefill_chunk_tokens: most prompt tokens
+    prefilled per step, over all admitted requests (>= 1).
     """
 
     def __init__(
@@ -244,6 +262,7 @@ class Scheduler:
         max_waiting: int = 64,
         metrics: Any = None,
         lossy: Any = None,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     ) -> None:
         from specgate.serving.policy import OffPolicy
 
@@ -251,12 +270,15 @@ class Scheduler:
             raise ValueError(f"num_slots={num_slots} must be >= 1 (--max-num-seqs: requests decoded at once)")
         if max_waiting < 0:
             raise ValueError(f"max_waiting={max_waiting} must be >= 0 (--max-waiting: requests queued for a slot)")
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1 (prompt tokens prefilled per step)")
         limit = int(target.model.max_position_embeddings)
         if not 2 <= max_seq_len <= limit:
             raise ValueError(f"max_seq_len={max_seq_len} is out of range 2..{limit} (the target's context): lower --max-seq-len")
         self.target = target
         self.policy = policy or OffPolicy()
         self.num_slots, self.max_seq_len, self.max_waiting = num_slots, max_seq_len, max_waiting
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.metrics = metrics
         if lossy is not None and not callable(getattr(lossy, "verify", None)):
             raise ValueError(f"lossy={lossy!r} is not a lossy mode: pass an object from specgate.sampling.lossy or None")
@@ -279,9 +301,12 @@ class Scheduler:
         self._ids = itertools.count()
         self._state: dict[str, dict[str, Any]] = {}  # request_id -> per-request objects (context, generators, ...)
         self._stop = False
+        self.draining = False
         self.thread: threading.Thread | None = None
         self.steps = 0
         self.last_error: BaseException | None = None
+        self.traffic_acceptance = AcceptanceStats(TRAFFIC_DECAY)  # every request's evidence: a new request's prior
+        self.last_prefill_tokens = 0  # prompt tokens prefilled by the latest step (<= prefill_chunk_tokens)
 
     # ------------------------------------------------------------------ requests (any thread)
     def validate(self, request: Request) -> None:
@@ -290,6 +315,8 @@ class Scheduler:
             raise ValueError(f"max_tokens={request.max_tokens} is invalid: it must be >= 1")
         if request.prompt_len < 1:
             raise ValueError("the prompt is empty (0 tokens): give at least one token")
+        if request.timeout_s is not None and not 0 < request.timeout_s < float("inf"):
+            raise ValueError(f"timeout_s={request.timeout_s} is invalid: give seconds > 0, or None for no timeout")
         if request.prompt_len + request.max_tokens > self.max_seq_len:
             raise RequestTooLongError(
                 f"the prompt ({request.prompt_len} tokens) + max_tokens ({request.max_tokens}) = "
@@ -305,6 +332,8 @@ class Scheduler:
         request.prompt_ids = torch.as_tensor(request.prompt_ids, dtype=torch.int64).flatten()
         self.validate(request)
         with self.lock:
+            if self.draining:
+                raise ServerDrainingError("the server is shutting down (draining) and accepts no new request: retry on another server")
             if len(self.running) + len(self.waiting) >= self.num_slots + self.max_waiting:
                 if self.metrics is not None:
                     self.metrics.on_rejected()
@@ -324,6 +353,24 @@ class Scheduler:
         with self.lock:
             self._cancelled.add(request_id)
             self.lock.notify_all()
+
+    def drain(self) -> None:
+        """Stop accepting requests (any thread): later `submit` calls raise ServerDrainingError; the running and
+        already-waiting requests run to completion. Use wait_idle to wait for them."""
+        with self.lock:
+            self.draining = True
+            self.lock.notify_all()
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until no request is running or waiting (the loop must be running); False if timeout_s passed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self.lock:
+            while self.running or self.waiting:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.lock.wait(0.05 if left is None else min(left, 0.05))
+        return True
 
     @property
     def has_work(self) -> bool:
@@ -355,16 +402,21 @@ class Scheduler:
             except Exception as exc:  # fail the running requests, keep serving the next ones
                 self.last_error = exc
                 for request in list(self.running):
+                    request.error = f"the engine failed during a step: {exc!r}"
                     self._finish(request, "error")
 
     def step(self) -> bool:
         """One scheduler iteration. Returns False when there was nothing to do."""
         with torch.inference_mode():
+            self._expire()
             self._drop_cancelled()
             self._admit()
+            self._prefill()
             if not self.running:
                 return False
-            self._decode_step()
+            decoding = [r for r in self.running if self._state[r.request_id]["prefilled"] >= r.prompt_len - 1]
+            if decoding:
+                self._decode_step(decoding)
             self.steps += 1
             return True
 
@@ -380,6 +432,20 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.set_load(len(self.running), len(self.waiting), self.num_slots - len(self.free_slots))
 
+    def _expire(self) -> None:
+        """Finish every waiting or running request past its timeout_s with finish_reason "timeout"."""
+        now = time.perf_counter()
+
+        def late(request: Request) -> bool:
+            return request.timeout_s is not None and now - request.stats.arrival_s > request.timeout_s
+
+        with self.lock:
+            expired = [r for r in self.waiting if late(r)]
+            for request in expired:
+                self.waiting.remove(request)
+        for request in expired + [r for r in self.running if late(r)]:
+            self._finish(request, "timeout")
+
     def _drop_cancelled(self) -> None:
         with self.lock:
             cancelled, self._cancelled = self._cancelled, set()
@@ -392,6 +458,7 @@ class Scheduler:
             self._finish(request, "cancelled")
 
     def _admit(self) -> None:
+        """Give waiting requests free slots (FIFO) and their per-request state; _prefill feeds their prompts."""
         admitted = []
         with self.lock:
             while self.waiting and self.free_slots:
@@ -400,8 +467,6 @@ class Scheduler:
                 admitted.append(request)
                 self.running.append(request)
             self._update_gauges()
-        if not admitted:
-            return
         for request in admitted:
             context = torch.zeros(self.max_seq_len, dtype=torch.int64)  # [S] prompt + committed tokens
             context[: request.prompt_len] = request.prompt_ids
@@ -412,22 +477,39 @@ class Scheduler:
             if self.model_drafter is not None:
                 self.model_drafter.begin(request.slot)
             self._state[request.request_id] = {
-                "context": context, "length": request.prompt_len, "ngram": ngram,
+                "context": context, "length": request.prompt_len, "ngram": ngram, "prefilled": 0, "proposals": [],
                 "verify_gen": seeded_generator(request.seed, 0), "draft_gen": seeded_generator(request.seed, 1),
                 "text": OutputText(self.target.tokenizer, list(request.stop), self._text_sink(request)),
             }
-        # prefill every new prompt minus its last token (fed by the first decode step with its drafts)
-        prefill = [r for r in admitted if r.prompt_len > 1]
-        if prefill:
-            width = max(r.prompt_len - 1 for r in prefill)
-            ids = torch.zeros(len(prefill), width, dtype=torch.int64)  # [B, T]
-            positions = torch.full((len(prefill), width), -1, dtype=torch.int64)  # [B, T]
-            for row, request in enumerate(prefill):
-                n = request.prompt_len - 1
-                ids[row, :n] = request.prompt_ids[:n]
-                positions[row, :n] = torch.arange(n)
-            slots = torch.tensor([r.slot for r in prefill], dtype=torch.int64)  # [B]
-            self.target.model.forward(ids, positions, self.cache, slots, last_only=True)
+
+    def _prefill(self) -> None:
+        """Feed the next prompt chunks (all but each prompt's last token) in one ragged forward of at most
+        prefill_chunk_tokens tokens, pads included: the first unfinished prompt (FIFO) sets the width, later ones
+        join with chunks no wider while rows x width stays within the budget."""
+        rows: list[tuple[Request, int, int]] = []  # (request, first position, tokens)
+        width = 0
+        for request in self.running:
+            done = self._state[request.request_id]["prefilled"]
+            left = request.prompt_len - 1 - done
+            if left <= 0:
+                continue
+            if rows and (len(rows) + 1) * width > self.prefill_chunk_tokens:
+                break
+            count = min(left, width if rows else self.prefill_chunk_tokens)
+            rows.append((request, done, count))
+            width = max(width, count)
+        self.last_prefill_tokens = len(rows) * width
+        if not rows:
+            return
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)  # [B, T]
+        positions = torch.full((len(rows), width), -1, dtype=torch.int64)  # [B, T]
+        for row, (request, first, count) in enumerate(rows):
+            ids[row, :count] = request.prompt_ids[first : first + count]
+            positions[row, :count] = torch.arange(first, first + count)
+        slots = torch.tensor([r.slot for r, _, _ in rows], dtype=torch.int64)  # [B]
+        self.target.model.forward(ids, positions, self.cache, slots, last_only=True)
+        for request, first, count in rows:
+            self._state[request.request_id]["prefilled"] = first + count
 
     def _text_sink(self, request: Request) -> Callable[[str], None]:
         def on_text(delta: str) -> None:
@@ -437,29 +519,38 @@ class Scheduler:
 
         return on_text
 
-    def _drafts(self, gammas: list[int]) -> list[tuple[list[int], list[Tensor | None]]]:
-        states = [self._state[r.request_id] for r in self.running]
-        contexts = [s["context"][: s["length"]] for s in states]
-        if self.draft_kind == "ngram":
-            out = []
-            for state, context, gamma in zip(states, contexts, gammas):
-                tokens = state["ngram"].propose(context, gamma).tokens.tolist() if gamma > 0 else []
-                out.append((tokens, [None] * len(tokens)))
-            return out
-        if self.model_drafter is not None:
-            generators = [s["draft_gen"] for s in states]
-            return self.model_drafter.propose(self.running, contexts, gammas, generators)
-        return [([], []) for _ in self.running]
+    def _lookups(self, running: list[Request], states: list[dict], budgets: list[int]) -> list[list[int]] | None:
+        """n-gram drafter: every row's proposal up to the policy's max gamma (>= 1 to keep learning); else None."""
+        if self.draft_kind != "ngram":
+            return None
+        longest = self.policy.max_gamma
+        return [
+            state["ngram"].propose(state["context"][: state["length"]], max(1, min(longest, budget))).tokens.tolist()
+            for state, budget in zip(states, budgets)
+        ]
 
-    def _decode_step(self) -> None:
-        running = self.running
+    def _drafts(self, running: list[Request], states: list[dict], gammas: list[int], lookups: list[list[int]] | None) -> list[tuple[list[int], list[Tensor | None]]]:
+        if lookups is not None:  # a shorter n-gram proposal is a prefix of a longer one
+            return [(tokens[:gamma], [None] * gamma) for tokens, gamma in zip(lookups, gammas)]
+        if self.model_drafter is not None:
+            contexts = [s["context"][: s["length"]] for s in states]
+            return self.model_drafter.propose(running, contexts, gammas, [s["draft_gen"] for s in states])
+        return [([], []) for _ in running]
+
+    def _decode_step(self, running: list[Request]) -> None:
         states = [self._state[r.request_id] for r in running]
-        # 2. policy: per-request gamma, never past the remaining budget
-        gammas = self.policy.choose([r.acceptance for r in running])
-        gammas = [max(0, min(int(g), r.max_tokens - len(r.tokens) - 1)) for g, r in zip(gammas, running)]
-        # 3. drafts (and, for lookup drafters, a free one-token "shadow" proposal where gamma is 0)
-        drafts = self._drafts(gammas)
-        shadows = self._shadow_proposals(gammas)
+        # 2. policy: per-request gamma, capped by the remaining budget and (lookups) by the drafts available
+        budgets = [r.max_tokens - len(r.tokens) - 1 for r in running]  # drafts past it could never be emitted
+        lookups = self._lookups(running, states, budgets)
+        caps = budgets if lookups is None else [min(len(tokens), b) for tokens, b in zip(lookups, budgets)]
+        prior = self.traffic_acceptance.profile(FLAT_PRIOR)  # [K]
+        gammas = self.policy.choose([r.acceptance_stats.profile(prior) for r in running], caps)
+        gammas = [max(0, min(int(g), cap)) for g, cap in zip(gammas, caps)]
+        # 3. drafts; every lookup proposal is kept to be scored against the output (see the module comment)
+        drafts = self._drafts(running, states, gammas, lookups)
+        for request, state, proposal in zip(running, states, lookups or []):
+            if proposal:
+                state["proposals"].append((len(request.tokens), proposal))
         num_drafts = [len(tokens) for tokens, _ in drafts]
         width = max(num_drafts)
         # 4. one ragged target forward: last committed token + drafts, at each row's own positions
@@ -475,21 +566,46 @@ class Scheduler:
             positions[row, : 1 + len(tokens)] = torch.arange(length - 1, length + len(tokens))
         slots = torch.tensor([r.slot for r in running], dtype=torch.int64)  # [B]
         target_logits = self.target.model.forward(ids, positions, self.cache, slots)  # [B, G+1, V]
+        keep = self._fail_non_finite(running, target_logits, positions)
+        if len(keep) < batch:
+            if not keep:
+                return
+            index = torch.tensor(keep, dtype=torch.int64)
+            running, states, drafts = [running[i] for i in keep], [states[i] for i in keep], [drafts[i] for i in keep]
+            gammas, num_drafts = [gammas[i] for i in keep], [num_drafts[i] for i in keep]
+            draft_tokens, target_logits = draft_tokens[index], target_logits[index]
         # 5. one batched verification with per-request generators
         result = self._verify(running, states, drafts, draft_tokens, torch.tensor(num_drafts), target_logits)
         # 6. commit
         now = time.perf_counter()
         step_stats = {"num_drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_position": [0] * width}
-        for row, request in enumerate(list(running)):
+        for row, request in enumerate(running):
             accepted = int(result.num_accepted[row])
             emitted = result.output_tokens[row, : accepted + 1].tolist()
             self._record(request, gammas[row], num_drafts[row], accepted, step_stats)
-            if shadows[row] is not None:
-                self._record_shadow(request, shadows[row], emitted[0], target_logits[row, 0])
             self._commit(request, states[row], emitted, now)
         if self.metrics is not None:
             self.metrics.on_step(step_stats, lossless=bool(result.lossless))
         self._update_gauges()
+
+    def _fail_non_finite(self, running: list[Request], target_logits: Tensor, positions: Tensor) -> list[int]:
+        """Finish with "error" every request whose scored rows hold NaN/inf logits; the rows to keep.
+
+        amax over the vocabulary is NaN if any logit is NaN and +inf if any is +inf (one pass, no [B, T, V] mask);
+        a -inf logit alone is a legal zero probability. Pad positions (-1) are not checked.
+        """
+        peak = target_logits.amax(dim=-1)  # [B, G+1]
+        finite = (torch.isfinite(peak) | (positions < 0)).all(dim=1)  # [B]
+        if bool(finite.all()):
+            return list(range(len(running)))
+        for row in (~finite).nonzero().flatten().tolist():
+            request = running[row]
+            request.error = (
+                f"the target model produced non-finite logits (NaN or inf) for this request at position "
+                f"{int(positions[row, 0])}; the request was stopped, other requests are unaffected"
+            )
+            self._finish(request, "error")
+        return finite.nonzero().flatten().tolist()
 
     def _verify(self, running, states, drafts, draft_tokens: Tensor, num_drafts: Tensor, target_logits: Tensor):
         params = [r.params for r in running]
@@ -516,41 +632,30 @@ class Scheduler:
         target_probs = torch.stack([logits_to_probs(target_logits[row], p) for row, p in enumerate(params)])  # [B, G+1, V]
         return rejection_sample(draft_tokens, num_drafts, draft_probs, target_probs, generators)
 
-    def _shadow_proposals(self, gammas: list[int]) -> list[int | None]:
-        """For the n-gram drafter, the token it would draft first for rows the policy gave gamma 0 (else None).
-
-        Lookup drafts cost nothing, so the acceptance estimate can keep learning while speculation is off: the
-        step's own target logits tell whether that draft would have been accepted (see _record_shadow).
-        """
-        if self.draft_kind != "ngram":
-            return [None] * len(gammas)
-        out: list[int | None] = []
-        for request, gamma in zip(self.running, gammas):
-            state = self._state[request.request_id]
-            proposal = state["ngram"].propose(state["context"][: state["length"]], 1).tokens if gamma == 0 else None
-            out.append(int(proposal[0]) if proposal is not None and proposal.numel() else None)
-        return out
-
-    def _record_shadow(self, request: Request, draft: int, emitted: int, target_logits: Tensor) -> None:
-        """Evidence from a draft that was not verified: accepted iff it equals the greedy token; when sampling,
-        its acceptance probability p(draft) (q is one-hot), the expected value of the real accept test."""
-        if request.params.greedy:
-            accepted = float(draft == emitted)
-        else:
-            accepted = float(logits_to_probs(target_logits, request.params)[draft])  # target_logits [V]
-        request._accepted_ema = ACCEPTANCE_EMA_DECAY * request._accepted_ema + accepted
-        request._tested_ema = ACCEPTANCE_EMA_DECAY * request._tested_ema + 1.0
-        request.acceptance = self._blend(request)
+    def _score_proposals(self, request: Request, state: dict, final: bool) -> None:
+        """Score the pending lookup proposals (start index in request.tokens, tokens) against the output so far;
+        a proposal resolves at its first mismatch, once fully covered, or when the request ends."""
+        pending = []
+        for start, proposal in state["proposals"]:
+            known = request.tokens[start : start + len(proposal)]
+            matched = next((k for k, (a, b) in enumerate(zip(known, proposal)) if a != b), len(known))
+            if matched < len(known) or len(known) == len(proposal) or final:
+                if known:
+                    request.acceptance_stats.observe(len(known), matched)
+                    self.traffic_acceptance.observe(len(known), matched)
+            else:
+                pending.append((start, proposal))
+        state["proposals"] = pending
+        request.acceptance = float(request.acceptance_stats.profile(self.traffic_acceptance.profile(FLAT_PRIOR))[0])
 
     def _record(self, request: Request, gamma: int, drafted: int, accepted: int, step_stats: dict) -> None:
         stats = request.stats
         stats.steps += 1
         stats.gammas.append(gamma)
         if drafted == 0:
-            if request.acceptance is not None and self.draft_kind != "ngram":  # n-gram rows learn from shadows
-                request._accepted_ema *= STALE_DECAY
-                request._tested_ema *= STALE_DECAY
-                request.acceptance = self._blend(request)
+            if request.acceptance_stats.observed and self.draft_kind != "ngram":  # n-gram rows: _score_proposals
+                request.acceptance_stats.age()
+                request.acceptance = float(request.acceptance_stats.profile(self.traffic_acceptance.profile(FLAT_PRIOR))[0])
             return
         stats.num_drafts += 1
         stats.drafted_tokens += drafted
@@ -563,15 +668,10 @@ class Scheduler:
         step_stats["num_drafts"] += 1
         step_stats["draft_tokens"] += drafted
         step_stats["accepted"] += accepted
-        tested = accepted + int(accepted < drafted)
-        request._accepted_ema = ACCEPTANCE_EMA_DECAY * request._accepted_ema + accepted
-        request._tested_ema = ACCEPTANCE_EMA_DECAY * request._tested_ema + tested
-        request.acceptance = self._blend(request)
-
-    @staticmethod
-    def _blend(request: Request) -> float:
-        """The acceptance estimate: EMA evidence plus PRIOR_WEIGHT pseudo-drafts at ACCEPTANCE_PRIOR."""
-        return (request._accepted_ema + PRIOR_WEIGHT * ACCEPTANCE_PRIOR) / (request._tested_ema + PRIOR_WEIGHT)
+        if self.draft_kind != "ngram":  # n-gram rows learn from their whole proposal in _score_proposals
+            request.acceptance_stats.observe(drafted, accepted)
+            self.traffic_acceptance.observe(drafted, accepted)
+            request.acceptance = float(request.acceptance_stats.profile(self.traffic_acceptance.profile(FLAT_PRIOR))[0])
 
     def _commit(self, request: Request, state: dict, emitted: list[int], now: float) -> None:
         finish = None
@@ -587,6 +687,8 @@ class Scheduler:
         length = state["length"]
         state["context"][length : length + len(emitted)] = torch.tensor(emitted, dtype=torch.int64)
         state["length"] = length + len(emitted)
+        if state["proposals"]:
+            self._score_proposals(request, state, final=finish is not None)
         stats = request.stats
         if stats.first_token_s is None:
             stats.first_token_s = now
@@ -607,7 +709,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> None:
         """End a request (model thread): flush its text, free its slot, tell its sink."""
         state = self._state.pop(request.request_id, None)
-        if state is not None and reason != "cancelled":
+        if state is not None and reason != "cancelled":  # the text so far is final (timeouts and errors too)
             state["text"].finish()
         request.finish_reason = reason
         request.stats.finish_s = time.perf_counter()

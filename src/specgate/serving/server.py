@@ -5,18 +5,27 @@ thread and uvicorn on a socket we bind ourselves (so port 0 gives a known free p
     ... handle.url ...
     handle.stop()
 
-`serve(config)` does the same in the foreground (the `specgate serve` command).
+`serve(config)` does the same in the foreground (the `specgate serve` command). There SIGTERM (and a first
+Ctrl-C) drains: the scheduler stops admitting (new requests get 503 with Retry-After), uvicorn closes the
+listening socket (later connections are refused) and waits for the in-flight requests, which run to the end,
+at most drain_timeout_s; then the model thread stops and, after SIGTERM, the process exits 0.
+
+Security defaults: loopback only unless --host says otherwise; the API key is compared in constant time
+(api.py); the model and draft are fixed here, at start (requests cannot name paths); models load with
+trust_remote_code=False (specgate.models.loading) and never from the network.
 """
 
 from __future__ import annotations
 
+import math
+import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from specgate.serving.api import create_app
+from specgate.serving.api import DEFAULT_MAX_BODY_BYTES, create_app
 from specgate.serving.metrics import ServingMetrics
 from specgate.serving.policy import POLICY_NAMES, calibrate_cost_model, make_policy
 from specgate.serving.scheduler import Scheduler
@@ -39,6 +48,9 @@ class ServerConfig:
     default_max_tokens: int = 16
     dtype: str = "float32"  # weights dtype of target and draft: float32 or bfloat16
     lossy: str | None = None  # LOSSY verification: "typical" (Medusa) or "synthetic:R1,R2,..." (fixed rates)
+    request_timeout_s: float | None = None  # a request still running this long after arrival ends (504); None = never
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may take before their connections are cut
 
     def validate(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -55,6 +67,16 @@ class ServerConfig:
             raise ValueError(f"--dtype {self.dtype!r} is not supported: use float32 or bfloat16")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key is empty: give a non-empty key or leave the option out")
+        if self.request_timeout_s is not None and not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
+            raise ValueError(f"--request-timeout-s {self.request_timeout_s} is invalid: use seconds > 0, or leave it out for no limit")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes {self.max_body_bytes} is invalid: use a positive byte count (default {DEFAULT_MAX_BODY_BYTES})")
+        if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s > 0):
+            raise ValueError(f"--drain-timeout-s {self.drain_timeout_s} is invalid: use seconds > 0 (default 30)")
+        if self.max_num_seqs < 1 or self.max_waiting < 0:
+            raise ValueError(
+                f"--max-num-seqs {self.max_num_seqs} / --max-waiting {self.max_waiting} are invalid: use >= 1 slots and >= 0 waiting"
+            )
 
 
 @dataclass
@@ -111,7 +133,10 @@ def build_engine(config: ServerConfig) -> Engine:
         target, draft, policy, num_slots=config.max_num_seqs, max_seq_len=min(config.max_seq_len, int(target.model.max_position_embeddings)),
         max_waiting=config.max_waiting, metrics=metrics, lossy=parse_lossy(config.lossy),
     )
-    app = create_app(scheduler, model_name=model_name, metrics=metrics, api_key=config.api_key, default_max_tokens=config.default_max_tokens)
+    app = create_app(
+        scheduler, model_name=model_name, metrics=metrics, api_key=config.api_key, default_max_tokens=config.default_max_tokens,
+        request_timeout_s=config.request_timeout_s, max_body_bytes=config.max_body_bytes,
+    )
     return Engine(scheduler, metrics, model_name, app)
 
 
@@ -147,11 +172,20 @@ class ServerHandle:
         self.engine.scheduler.stop(timeout_s)
 
 
-def _uvicorn_server(engine: Engine, host: str, port: int):
+def _uvicorn_server(engine: Engine, host: str, port: int, drain_timeout_s: float = 30.0):
+    """A uvicorn server whose exit signals (SIGTERM, SIGINT; not should_exit, which stops at once) first drain the scheduler."""
     import uvicorn
 
-    config = uvicorn.Config(engine.app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
-    return uvicorn.Server(config)
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            engine.scheduler.drain()  # refuse new requests (503) at once; running and waiting ones finish
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        engine.app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+        timeout_graceful_shutdown=drain_timeout_s,
+    )
+    return DrainingServer(config)
 
 
 def start_server(config: ServerConfig, engine: Engine | None = None, *, ready_timeout_s: float = 30.0) -> ServerHandle:
@@ -159,7 +193,7 @@ def start_server(config: ServerConfig, engine: Engine | None = None, *, ready_ti
     engine = engine or build_engine(config)
     sock = bind_socket(config.host, config.port)
     host, port = sock.getsockname()[:2]
-    server = _uvicorn_server(engine, host, port)
+    server = _uvicorn_server(engine, host, port, config.drain_timeout_s)
     engine.scheduler.start()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="specgate-http", daemon=True)
     thread.start()
@@ -173,15 +207,21 @@ def start_server(config: ServerConfig, engine: Engine | None = None, *, ready_ti
 
 
 def serve(config: ServerConfig, engine: Engine | None = None, on_ready: Any = None) -> None:
-    """Run the server in the foreground until interrupted (Ctrl-C)."""
+    """Run the server in the foreground until SIGTERM (drain, then return) or Ctrl-C (drain, then KeyboardInterrupt)."""
     engine = engine or build_engine(config)
     sock = bind_socket(config.host, config.port)
     host, port = sock.getsockname()[:2]
-    server = _uvicorn_server(engine, host, port)
+    server = _uvicorn_server(engine, host, port, config.drain_timeout_s)
     engine.scheduler.start()
+    # uvicorn re-raises the signal it shut down for once it is done; for SIGTERM that must not kill the
+    # process (exit status -15): a drained shutdown is a normal exit, status 0.
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: engine.scheduler.drain()) if main_thread else None
     if on_ready is not None:
         on_ready(host, port)
     try:
         server.run(sockets=[sock])
     finally:
-        engine.scheduler.stop()
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        engine.scheduler.stop(config.drain_timeout_s)

@@ -1,0 +1,340 @@
+"""Runtime performance against the memory-bandwidth floor and against transformers, per dtype (one process).
+
+Sections (all but demo_rss run by default; pick with --sections):
+- bandwidth: a memory-bandwidth probe: sum (read) and copy (read + write) of a tensor far larger than the caches,
+  GB/s = bytes moved / median wall time.
+- floor: bytes of weights a batch-1 decode step reads per model and dtype (every layer weight, the full LM head
+  (Gemma-3-270M's tied 262k-row head is read in full each step), the KV cache up to the step's position; one
+  embedding row), the floor = bytes / read bandwidth, and the measured batch-1 step of specgate's runtime as a
+  multiple of it (median of --steps decode steps at position --position).
+- decode: own target-only decode (specgate.engine.generate, --draft none) vs transformers greedy
+  `generate(do_sample=False)` on the same weights, same dtype, same prompt, tokens/s and the ratio.
+- ngram: the own n-gram lane (prompt lookup) vs transformers `generate(prompt_lookup_num_tokens=gamma)` on the
+  same input-grounded prompt (examples/prompts/rewrite_code.txt), same dtype; the measured speedup of the n-gram
+  lane over the own baseline against Leviathan's prediction S = (1 - a^(g+1)) / ((1 - a)(g c + 1)) from the
+  measured alpha and c (c = draft ms per drafted token / the baseline's target ms per step); whether the
+  speculative output equals target-only greedy token for token (in bf16 a multi-token verify pass and a 1-token
+  pass may round differently, so this is measured, not assumed).
+- demo_rss: peak resident memory of each command of `make demo` (read from the Makefile; /usr/bin/time -v,
+  else getrusage).
+
+Every ratio comes from one run in one process. Run heavy: `flock /tmp/specgate-heavy.lock .venv/bin/python
+bench/bench_perf.py [--dtypes float32,bfloat16] [--max-new-tokens 64] [--gamma 8] [--json-out FILE]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from specgate.drafting import NgramDrafter, NoDrafter
+from specgate.engine import generate
+from specgate.models import default_dtype, load_model, native_bf16
+from specgate.sampling import SamplingParams
+from specgate.theory import speedup
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_FILE = ROOT / "examples" / "prompts" / "rewrite_code.txt"
+DEMO_TIMEOUT_S = 1200
+
+
+def demo_commands() -> list[str]:
+    """The recipe lines of the Makefile's `demo` target, with $(VENV) = .venv, run from the repository root."""
+    commands, in_demo = [], False
+    for line in (ROOT / "Makefile").read_text().replace("\\\n", " ").splitlines():
+        if not line.startswith("\t"):
+            in_demo = line.startswith("demo:")
+            continue
+        if in_demo:
+            commands.append(line.strip().replace("$(VENV)", ".venv"))
+    return commands
+
+SECTIONS = ("bandwidth", "floor", "decode", "ngram", "demo_rss")
+console = Console(stderr=True)
+
+
+def median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+# --- bandwidth and the floor ------------------------------------------------------------------------------------
+
+
+def bandwidth_probe(megabytes: int = 512, repeats: int = 7) -> dict[str, float]:
+    """Read GB/s (sum of a float32 tensor) and copy GB/s (bytes read + written) over `megabytes` MB."""
+    source = torch.ones(megabytes * (1 << 20) // 4)  # [N] float32
+    target = torch.empty_like(source)
+    source.sum(), target.copy_(source)  # touch every page before timing
+    read_s = median_s(lambda: source.sum(), repeats)
+    copy_s = median_s(lambda: target.copy_(source), repeats)
+    nbytes = source.numel() * 4
+    return {"megabytes": megabytes, "read_gb_s": nbytes / read_s / 1e9, "copy_gb_s": 2 * nbytes / copy_s / 1e9}
+
+
+def step_bytes(model: Any, position: int) -> dict[str, int]:
+    """Bytes a batch-1 decode step at `position` reads: weights (tied head counted once, in full), KV, one embedding row."""
+    seen, weights = set(), 0
+    for param in model.parameters():  # parameters() yields a tied weight once
+        if param.data_ptr() in seen:
+            continue
+        seen.add(param.data_ptr())
+        weights += param.numel() * param.element_size()
+    args = model.args
+    embed = model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
+    if not tied:  # an untied embedding table is not read in full: only the token's row
+        weights -= embed.numel() * embed.element_size()
+    row = embed.shape[1] * embed.element_size()
+    kv = 2 * args.num_layers * args.num_kv_heads * args.head_dim * (position + 1) * embed.element_size()
+    return {"weights": weights, "kv_cache": kv, "embedding_row": row, "total": weights + kv + row}
+
+
+def decode_step_ms(model: Any, position: int, steps: int, num_tokens: int = 1) -> float:
+    """Median wall ms of a batch-1 forward of num_tokens tokens at `position` (the cache holds `position` earlier
+    tokens); num_tokens = gamma + 1 is a verification step."""
+    cache, slots = model.new_cache(1, position + num_tokens + 1), torch.zeros(1, dtype=torch.int64)
+    with torch.inference_mode():
+        ids = torch.randint(0, 1000, (1, position), generator=torch.Generator().manual_seed(0))  # [1, P]
+        model(ids, torch.arange(position)[None], cache, slots, last_only=True)
+        tokens = torch.full((1, num_tokens), 7)  # [1, T]
+        where = torch.arange(position, position + num_tokens)[None]  # [1, T]
+        model(tokens, where, cache, slots)
+        return 1e3 * median_s(lambda: model(tokens, where, cache, slots), steps)
+
+
+# --- lanes ------------------------------------------------------------------------------------------------------
+
+
+def own_lane(target: Any, drafter: Any, gamma: int, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+    cpu_start = time.process_time()
+    result = generate(prompt, target, drafter, gamma, SamplingParams(temperature=0.0), seed=0, max_new_tokens=max_new_tokens)
+    stats = result.stats
+    return {"tokens": result.tokens, "wall_s": stats.wall_s, "cpu_s": time.process_time() - cpu_start, "stats": stats}
+
+
+def hf_lane(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, lookup: int | None) -> dict[str, Any]:
+    inputs = tokenizer(prompt, return_tensors="pt")
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, top_p=None, top_k=None, temperature=None)
+    if lookup:
+        kwargs["prompt_lookup_num_tokens"] = lookup
+    start, cpu_start = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        out = model.generate(**inputs, **kwargs)
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    return {"tokens": out[0, inputs["input_ids"].shape[1] :].tolist(), "wall_s": wall_s, "cpu_s": cpu_s, "stats": None}
+
+
+def tokens_per_s(lane: dict[str, Any]) -> float:
+    return len(lane["tokens"]) / lane["wall_s"]
+
+
+def run_dtype(dtype: torch.dtype, args: argparse.Namespace, bandwidth: dict[str, float] | None, sections: set[str]) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    name = str(dtype).removeprefix("torch.")
+    out: dict[str, Any] = {}
+    console.print(f"[bold]{name}[/]: loading gemma-3-270m (specgate runtime)")
+    target = load_model("gemma-3-270m", dtype=dtype)
+    if "floor" in sections:
+        console.print(f"{name}: batch-1 decode step at position {args.position}")
+        nbytes = step_bytes(target.model, args.position)
+        step_ms = decode_step_ms(target.model, args.position, args.steps)
+        verify_ms = decode_step_ms(target.model, args.position, args.steps, args.gamma + 1)
+        out["floor"] = {"bytes_per_step": nbytes, "step_ms": step_ms, f"verify_{args.gamma + 1}_tokens_ms": verify_ms,
+                        "verify_over_step": verify_ms / step_ms}
+        if bandwidth is not None:
+            floor_ms = nbytes["total"] / (bandwidth["read_gb_s"] * 1e9) * 1e3
+            out["floor"].update(floor_ms=floor_ms, step_over_floor=step_ms / floor_ms,
+                                achieved_gb_s=nbytes["total"] / (step_ms / 1e3) / 1e9)
+    if not sections & {"decode", "ngram"}:
+        return out
+
+    console.print(f"{name}: loading transformers' Gemma3ForCausalLM from {target.path}")
+    hf_model = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=dtype).eval()
+    tokenizer = target.tokenizer
+    prompt = PROMPT_FILE.read_text(encoding="utf-8")
+    lanes = {"own baseline": lambda n: own_lane(target, NoDrafter(), 0, prompt, n),
+             "transformers greedy": lambda n: hf_lane(hf_model, tokenizer, prompt, n, None)}
+    if "ngram" in sections:
+        lanes["own n-gram"] = lambda n: own_lane(target, NgramDrafter(), args.gamma, prompt, n)
+        lanes["transformers prompt lookup"] = lambda n: hf_lane(hf_model, tokenizer, prompt, n, args.gamma)
+    for lane_name, lane in lanes.items():  # warm-up: first-call allocations and kernels out of the timed runs
+        console.print(f"{name}: warm-up {lane_name}")
+        lane(4)
+    results = {}
+    for lane_name, lane in lanes.items():
+        console.print(f"{name}: {lane_name}, {args.max_new_tokens} new tokens")
+        results[lane_name] = lane(args.max_new_tokens)
+    speed = {lane_name: tokens_per_s(r) for lane_name, r in results.items()}
+    baseline = results["own baseline"]
+    cpu_speed = {lane_name: len(r["tokens"]) / r["cpu_s"] for lane_name, r in results.items()}
+    out["lanes"] = {
+        lane_name: {"tokens_per_s": speed[lane_name], "tokens_per_cpu_s": cpu_speed[lane_name], "new_tokens": len(r["tokens"]),
+                    "wall_s": r["wall_s"], "cpu_s": r["cpu_s"],
+                    "same_tokens_as_own_baseline": r["tokens"] == baseline["tokens"]}
+        for lane_name, r in results.items()
+    }
+    out["ratios"] = {"own baseline / transformers greedy": speed["own baseline"] / speed["transformers greedy"]}
+    out["cpu_time_ratios"] = {"own baseline / transformers greedy": cpu_speed["own baseline"] / cpu_speed["transformers greedy"]}
+    base_stats = baseline["stats"]
+    out["own_baseline_ms_per_step"] = base_stats.verify_ms_total / base_stats.iterations
+    if "ngram" in sections:
+        stats = results["own n-gram"]["stats"]
+        alpha = stats.measured_alpha
+        c = (stats.draft_ms_total / stats.drafted_tokens) / out["own_baseline_ms_per_step"] if stats.drafted_tokens else None
+        predicted = float(speedup(alpha, args.gamma, c)) if alpha is not None and c is not None else None
+        measured = speed["own n-gram"] / speed["own baseline"]
+        # Leviathan's model prices a verification step like a 1-token step. On a CPU a (gamma+1)-token step costs
+        # more; folding that growth into c (per drafted token) gives the prediction the engine can be held to.
+        verify_growth = stats.verify_ms_total / stats.iterations / out["own_baseline_ms_per_step"] - 1.0
+        c_effective = (c or 0.0) + verify_growth / args.gamma
+        predicted_effective = float(speedup(alpha, args.gamma, c_effective)) if alpha is not None else None
+        out["cpu_time_ratios"].update({
+            "own n-gram / transformers prompt lookup": cpu_speed["own n-gram"] / cpu_speed["transformers prompt lookup"],
+            "own n-gram / own baseline": cpu_speed["own n-gram"] / cpu_speed["own baseline"],
+        })
+        out["ratios"].update({
+            "own n-gram / transformers prompt lookup": speed["own n-gram"] / speed["transformers prompt lookup"],
+            "own n-gram / own baseline (measured speedup)": measured,
+            "transformers prompt lookup / transformers greedy": speed["transformers prompt lookup"] / speed["transformers greedy"],
+        })
+        out["theory"] = {
+            "gamma": args.gamma, "measured_alpha": alpha, "c": c, "predicted_speedup": predicted,
+            "measured_speedup": measured, "measured_over_predicted": measured / predicted if predicted else None,
+            "c_effective": c_effective, "predicted_speedup_effective_c": predicted_effective,
+            "measured_over_predicted_effective_c": measured / predicted_effective if predicted_effective else None,
+            "acceptance_length": stats.acceptance_length, "drafted_tokens": stats.drafted_tokens,
+            "iterations": stats.iterations, "verify_ms_per_step": stats.verify_ms_total / stats.iterations,
+            "baseline_verify_ms_per_step": out["own_baseline_ms_per_step"],
+        }
+    del hf_model
+    return out
+
+
+# --- make demo ---------------------------------------------------------------------------------------------------
+
+
+def demo_peak_rss() -> list[dict[str, Any]]:
+    """Peak resident set size of each `make demo` command, measured around a subprocess run."""
+    rows = []
+    for command in demo_commands():
+        console.print(f"demo: {command}")
+        argv = shlex.split(command)
+        if Path("/usr/bin/time").exists():
+            proc = subprocess.run(["/usr/bin/time", "-v", *argv], cwd=ROOT, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S)
+            match = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
+            peak_kb = int(match.group(1)) if match else None
+            wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", proc.stderr)
+            rows.append({"command": command, "exit_status": proc.returncode, "peak_rss_mib": peak_kb / 1024 if peak_kb else None,
+                         "wall": wall.group(1) if wall else None, "tool": "/usr/bin/time -v"})
+        else:  # ru_maxrss of children: the largest child so far, in KiB on Linux
+            proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S)
+            peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            rows.append({"command": command, "exit_status": proc.returncode, "peak_rss_mib": peak_kb / 1024, "tool": "getrusage"})
+    return rows
+
+
+# --- report ------------------------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    cpu = next((line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16(),
+            "default_dtype": str(default_dtype()).removeprefix("torch."), "load_average_start": os.getloadavg()}
+
+
+def print_markdown(report: dict[str, Any]) -> None:
+    m = report["machine"]
+    print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['cpu_capability']}), {m['threads']} threads, "
+          f"native bf16: {m['native_bf16']}, default_dtype: {m['default_dtype']}, load {m['load_average_start']} -> {report['load_average_end']}")
+    if "bandwidth" in report:
+        b = report["bandwidth"]
+        print(f"bandwidth probe ({b['megabytes']} MB): read {b['read_gb_s']:.1f} GB/s, copy {b['copy_gb_s']:.1f} GB/s\n")
+    rows = [(d, r) for d, r in report["dtypes"].items()]
+    if any("floor" in r for _, r in rows):
+        print("| dtype | MB read per step | floor ms | measured step ms | step / floor | achieved GB/s | verify step (gamma+1 tokens) / 1-token step |")
+        print("|---|---|---|---|---|---|---|")
+        for d, r in rows:
+            f = r.get("floor")
+            if f and "floor_ms" in f:
+                print(f"| {d} | {f['bytes_per_step']['total'] / 1e6:.0f} | {f['floor_ms']:.1f} | {f['step_ms']:.1f} | "
+                      f"{f['step_over_floor']:.2f}x | {f['achieved_gb_s']:.1f} | {f['verify_over_step']:.2f}x |")
+        print()
+    if any("lanes" in r for _, r in rows):
+        names = list(next(r for _, r in rows if "lanes" in r)["lanes"])
+        print("| dtype | " + " | ".join(f"{n} tok/s" for n in names) + " |")
+        print("|---|" + "---|" * len(names))
+        for d, r in rows:
+            if "lanes" in r:
+                print(f"| {d} | " + " | ".join(f"{r['lanes'][n]['tokens_per_s']:.1f}" for n in names) + " |")
+        print()
+        for d, r in rows:
+            if "lanes" in r:
+                print(f"{d}: " + "; ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items()))
+                print(f"{d}: by CPU seconds: " + "; ".join(f"{k} {v:.2f}x" for k, v in r["cpu_time_ratios"].items()))
+                print(f"{d}: same tokens as own baseline: " + ", ".join(f"{n} {r['lanes'][n]['same_tokens_as_own_baseline']}" for n in names))
+                if "theory" in r:
+                    t = r["theory"]
+                    print(f"{d}: theory: alpha {t['measured_alpha']:.3f}, c {t['c']:.4f}, gamma {t['gamma']}, predicted {t['predicted_speedup']:.2f}x, "
+                          f"measured {t['measured_speedup']:.2f}x ({t['measured_over_predicted']:.2f} of predicted); with the verify step's growth in c: "
+                          f"c_eff {t['c_effective']:.3f}, predicted {t['predicted_speedup_effective_c']:.2f}x, measured/predicted {t['measured_over_predicted_effective_c']:.2f}; AL {t['acceptance_length']:.2f}, "
+                          f"verify ms/step {t['verify_ms_per_step']:.1f} vs baseline {t['baseline_verify_ms_per_step']:.1f}")
+        print()
+    for row in report.get("demo_rss", []):
+        print(f"demo peak RSS {row['peak_rss_mib']:.0f} MiB (exit {row['exit_status']}, {row.get('wall')}): {row['command']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="bandwidth,floor,decode,ngram",
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (demo_rss runs `make demo`'s commands: minutes)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--gamma", type=int, default=8, help="n-gram draft length and transformers' prompt_lookup_num_tokens")
+    parser.add_argument("--position", type=int, default=128, help="KV position of the timed batch-1 decode steps")
+    parser.add_argument("--steps", type=int, default=15, help="timed decode steps (median)")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the report as JSON here")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = cores); 1 avoids thread stalls on a shared VM")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    sections = set(args.sections.split(","))
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        parser.error(f"--sections {sorted(unknown)} unknown: use a subset of {','.join(SECTIONS)}")
+
+    report: dict[str, Any] = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(), "dtypes": {}}
+    if sections & {"bandwidth", "floor"}:
+        console.print("bandwidth probe")
+        report["bandwidth"] = bandwidth_probe()
+    for name in args.dtypes.split(","):
+        report["dtypes"][name] = run_dtype(getattr(torch, name), args, report.get("bandwidth"), sections)
+    if "demo_rss" in sections:
+        report["demo_rss"] = demo_peak_rss()
+    report["load_average_end"] = os.getloadavg()
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report, indent=2))
+    print_markdown(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""`specgate gate`: measure a draft/target pair on a workload and decide GO or NO-GO (see docs/GATE.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from specgate.cli import common
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise common.UserError(f"{name} {text!r} is not a comma-separated list of integers, e.g. 1,2,4,8")
+    return values
+
+
+def register(app: typer.Typer) -> None:
+    """Add `gate` to `app`."""
+
+    @app.command()
+    def gate(
+        out: Path = typer.Option(Path("out/gate"), help="Directory for report.json, report.md, report.html, requests.jsonl and server logs."),
+        target: str = typer.Option("gemma-3-270m", help="Embedded mode: the target (gemma-3-270m, an HF directory or a .gguf file); also the weights used to score quality."),
+        draft: list[str] = typer.Option(["default", "ngram"], help="Embedded mode: a speculative configuration per --draft (default, ngram, or a draft model PATH); repeatable."),
+        gamma: int = typer.Option(4, help="Draft tokens per step of every speculative configuration (--policy fixed)."),
+        dtype: str = typer.Option("float32", help="Weights dtype of the embedded servers and the scorer: auto, float32 or bfloat16."),
+        lossy: str = typer.Option(None, help="Embedded mode: also measure a LOSSY twin of the first --draft configuration (--lossy typical or synthetic:R,...); it can never be GO."),
+        endpoint: str = typer.Option(None, help="External mode: base URL of the speculative OpenAI-compatible server."),
+        baseline_endpoint: str = typer.Option(None, help="External mode: base URL of the same model served without speculation."),
+        metrics_url: list[str] = typer.Option([], help="External mode: Prometheus URL of the speculative server, then of the baseline (default URL/metrics)."),
+        model: str = typer.Option(None, help="External mode: the `model` field sent with each request."),
+        api_key: str = typer.Option(None, help="Bearer key for the endpoints."),
+        workload: str = typer.Option("builtin", help="Prompt JSONL ({prompt, category} or Spec-Bench question.jsonl), or builtin."),
+        math: str = typer.Option("builtin", help="GSM8K-style JSONL ({question, answer '... #### N'}), or builtin (arithmetic)."),
+        text: str = typer.Option("builtin", help="Text file for the target's perplexity, or builtin."),
+        concurrency: str = typer.Option(None, help="Closed-loop concurrency levels, e.g. 1,2,4,8 (quick: 1,4)."),
+        target_concurrency: int = typer.Option(None, help="Concurrency at which throughput / TTFT / ITL are judged (default 4; must be measured)."),
+        qps: float = typer.Option(None, help="Open-loop Poisson arrival rate, requests/s (default 1)."),
+        max_tokens: int = typer.Option(None, help="Output tokens per request (default 64; quick 24)."),
+        per_category: int = typer.Option(None, help="Prompts per category (default 6; quick 2)."),
+        requests_per_level: int = typer.Option(None, help="Requests per concurrency level above 1 (default 16; quick 6)."),
+        poisson_requests: int = typer.Option(None, help="Requests of the Poisson phase (default 16; quick 5)."),
+        math_items: int = typer.Option(None, help="Math items (default 40; quick 8)."),
+        sample_prompts: int = typer.Option(None, help="Prompts sampled at temperature 1 for the log-likelihood test (default 24; quick 8)."),
+        max_num_seqs: int = typer.Option(None, help="Embedded servers' KV slots (default 8; quick 4)."),
+        ttft_tolerance: float = typer.Option(0.10, help="TTFT p95 may be this fraction worse than the baseline's."),
+        memory_headroom: float = typer.Option(0.20, help="Fraction of RAM (and GPU memory) the server must leave free."),
+        greedy_match_min: float = typer.Option(1.0, help="Least greedy exact-match rate against the baseline."),
+        seed: int = typer.Option(0, help="Seed of the Poisson arrivals, sampling and bootstraps."),
+        score: bool = typer.Option(True, "--score/--no-score", help="Load the target here to score perplexity and sampled log-likelihoods."),
+        quick: bool = typer.Option(False, "--quick", help="A small run (~5 minutes on Gemma-3-270M, 2 cores)."),
+        fail_on_no_go: bool = typer.Option(False, "--fail-on-no-go", help="Exit 1 on NO-GO (default: exit 0 whenever the run completes)."),
+        json_output: bool = typer.Option(False, "--json", help="Print one JSON object {verdict, config, criteria, configs, report, notes}."),
+    ) -> None:
+        """Measure speculation against a baseline on a workload and decide GO / NO-GO, with a report."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from specgate.gate.decision import Thresholds
+        from specgate.gate.runner import GateOptions, check_out_dir, run_gate
+
+        check_out_dir(out)
+        options = GateOptions.quick(out) if quick else GateOptions(out=out)
+        overrides = {
+            "max_tokens": max_tokens, "per_category": per_category, "requests_per_level": requests_per_level, "qps": qps,
+            "poisson_requests": poisson_requests, "math_items": math_items, "sample_prompts": sample_prompts, "max_num_seqs": max_num_seqs,
+        }
+        for key, value in overrides.items():
+            if value is not None:
+                setattr(options, key, value)
+        if concurrency is not None:
+            options.concurrency = _int_list(concurrency, "--concurrency")
+        options.target, options.drafts, options.gamma, options.dtype, options.lossy = target, list(draft), gamma, dtype, lossy
+        options.endpoint, options.baseline_endpoint, options.metrics_urls = endpoint, baseline_endpoint, list(metrics_url)
+        options.model, options.api_key, options.workload, options.math, options.text = model, api_key, workload, math, text
+        options.seed, options.score = seed, score
+        default_target = 4 if 4 in options.concurrency else max(options.concurrency)
+        options.thresholds = Thresholds(
+            target_concurrency=default_target if target_concurrency is None else target_concurrency, ttft_tolerance=ttft_tolerance,
+            memory_headroom=memory_headroom, greedy_match_min=greedy_match_min,
+        )
+        options.validate()
+        console = common.err_console
+
+        def log(message: str) -> None:
+            console.print(f"[dim]gate:[/] {message}", highlight=False)
+
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"), TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=False) as progress:
+            report = run_gate(options, progress=progress, log=log)
+        summary = {
+            "verdict": report["verdict"], "config": report["config"], "criteria": report["criteria"],
+            "configs": {name: c["verdict"] for name, c in report["configs"].items()}, "report": report["files"],
+            "notes": report["notes"], "wall_s": report["wall_s"],
+            "failures": {name: r["failure"] for name, r in report["measurements"].items() if r.get("failure")},
+        }
+        if json_output:
+            common.print_json(summary)
+        else:
+            from rich.table import Table
+
+            table = Table(title=f"gate criteria for {report['config']}")
+            for column in ("criterion", "value", "threshold", "result", "reason"):
+                table.add_column(column)
+            from specgate.gate.report import _f
+
+            for c in report["criteria"]:
+                table.add_row(c["name"], _f(c["value"]), _f(c["threshold"]), "[green]PASS[/]" if c["pass"] else "[red]FAIL[/]", c["reason"])
+            common.console.print(table)
+            for note in report["notes"]:
+                common.console.print(f"note: {note}", highlight=False)
+            for name, failure in summary["failures"].items():
+                common.console.print(f"[red]failed:[/] {name}: {failure}", highlight=False)
+            colour = "green" if report["verdict"] == "GO" else "red"
+            common.console.print(f"verdict: [bold {colour}]{report['verdict']}[/] ({report['config']})", highlight=False)
+            common.console.print(f"report: {report['files']['html']}", highlight=False)
+        if fail_on_no_go and report["verdict"] != "GO":
+            raise typer.Exit(1)

@@ -1,0 +1,502 @@
+"""Run the gate: start (or reach) the servers, measure every configuration phase by phase, score quality,
+decide, write the report.
+
+Embedded mode (default): one `specgate serve` subprocess per configuration on 127.0.0.1 with a free port,
+one at a time (so two servers never share the cores): the baseline (`--draft none`), then each speculative
+draft (`--policy fixed --gamma G`, so the measured gamma is the configured one). External mode: the
+`--baseline-endpoint` and `--endpoint` URLs (any OpenAI-compatible engine) with their Prometheus `/metrics`
+(or `--metrics-url`), read before and after each phase.
+
+Phases per configuration, in order (each one's counters are the delta over that phase):
+  warmup -> c1:<category> (closed loop, concurrency 1, greedy, one phase per category: per-category
+  acceptance, the greedy outputs for exact match, step times) -> c<n> for the other concurrencies ->
+  poisson (open loop at --qps) -> math (greedy, few-shot) -> sample (temperature 1, seeded per prompt).
+A server that dies (or stops answering) ends its configuration: what was measured is kept, the rest of its
+phases are skipped, and the configuration records which phase failed and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specgate.gate import client as gate_client
+from specgate.gate import decision, prom, quality
+from specgate.gate import workload as wl
+
+SERVER_START_TIMEOUT_S = 900.0  # the first Gemma conversion takes ~2 minutes on 2 cores
+
+
+@dataclass
+class GateOptions:
+    out: Path
+    target: str = "gemma-3-270m"
+    drafts: list[str] = field(default_factory=lambda: ["default", "ngram"])
+    gamma: int = 4
+    dtype: str = "float32"
+    lossy: str | None = None  # embedded: add one LOSSY configuration (ngram drafts, --lossy SPEC) to the comparison
+    endpoint: str | None = None
+    baseline_endpoint: str | None = None
+    metrics_urls: list[str] = field(default_factory=list)  # external: [spec, baseline] metrics URLs (default URL/metrics)
+    model: str | None = None
+    api_key: str | None = None
+    workload: str = wl.BUILTIN
+    math: str = wl.BUILTIN
+    text: str = wl.BUILTIN
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    qps: float = 1.0
+    per_category: int = 6
+    requests_per_level: int = 16
+    poisson_requests: int = 16
+    max_tokens: int = 64
+    math_items: int = 40
+    sample_prompts: int = 24
+    max_num_seqs: int = 8
+    max_seq_len: int = 1024
+    seed: int = 0
+    score: bool = True  # score perplexity / sampled log-likelihood with the target's weights in this process
+    request_timeout_s: float = 300.0
+    thresholds: decision.Thresholds = field(default_factory=decision.Thresholds)
+
+    @staticmethod
+    def quick(out: Path) -> "GateOptions":
+        """~5 minutes of gate work on Gemma-3-270M on 2 cores (plus model loading)."""
+        return GateOptions(out=out, concurrency=[1, 4], per_category=2, requests_per_level=6, poisson_requests=5, qps=1.0,
+                           max_tokens=24, math_items=8, sample_prompts=8, max_num_seqs=4, max_seq_len=512)
+
+    @property
+    def external(self) -> bool:
+        return self.endpoint is not None or self.baseline_endpoint is not None
+
+    def validate(self) -> None:
+        if self.external and not (self.endpoint and self.baseline_endpoint):
+            raise ValueError("external mode needs both --endpoint URL (speculative) and --baseline-endpoint URL (no speculation)")
+        for url in [self.endpoint, self.baseline_endpoint, *self.metrics_urls]:
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ValueError(f"URL {url!r} must start with http:// or https://")
+        if len(self.metrics_urls) > 2:
+            raise ValueError(f"--metrics-url given {len(self.metrics_urls)} times: give at most 2 (speculative, then baseline)")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"--concurrency {self.concurrency} must be a list of integers >= 1, e.g. 1,2,4,8")
+        self.concurrency = sorted(set(self.concurrency))
+        if self.thresholds.target_concurrency not in self.concurrency:
+            raise ValueError(
+                f"--target-concurrency {self.thresholds.target_concurrency} is not among the measured --concurrency "
+                f"{','.join(map(str, self.concurrency))}: add it to --concurrency or pick one of them"
+            )
+        if not 1 <= self.gamma <= 64:
+            raise ValueError(f"--gamma {self.gamma} is out of range 1..64 (draft tokens per step)")
+        for name in ("per_category", "requests_per_level", "poisson_requests", "max_tokens", "math_items", "sample_prompts", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
+        if not self.qps > 0:
+            raise ValueError(f"--qps {self.qps} must be > 0 (Poisson arrival rate, requests per second)")
+        if not self.external and self.target != "gemma-3-270m" and not Path(self.target).expanduser().exists():
+            raise ValueError(f"--target {self.target!r} does not exist: give gemma-3-270m, a local HF directory or a .gguf file")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"--dtype {self.dtype!r} is not supported: use auto, float32 or bfloat16")
+        self.thresholds.validate()
+
+
+def check_out_dir(out: Path) -> Path:
+    """Create --out if needed and prove it is writable; ValueError naming the directory otherwise."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".specgate-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"--out {str(out)!r} is not a writable directory ({exc.strerror or exc}): choose a directory you can write to") from None
+    return out
+
+
+def resolve_dtype(dtype: str) -> str:
+    """'auto' -> the runtime's default dtype name (specgate.models.default_dtype where it exists, else float32)."""
+    if dtype != "auto":
+        return dtype
+    try:
+        from specgate.models.dtypes import default_dtype  # the performance issue's helper
+    except ImportError:
+        return "float32"
+    import torch
+
+    return {torch.bfloat16: "bfloat16"}.get(default_dtype(), "float32")
+
+
+# ------------------------------------------------------------------------------------------ servers
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class Endpoint:
+    name: str
+    url: str
+    metrics_url: str
+    process: subprocess.Popen | None = None
+    log_path: Path | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def alive(self) -> bool:
+        return self.process is None or self.process.poll() is None
+
+    def exit_description(self) -> str:
+        if self.process is None or self.process.returncode is None:
+            return "stopped answering"
+        code = self.process.returncode
+        how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return f"server process {self.process.pid} {how}"
+
+    def peak_rss_mib(self) -> float | None:
+        """VmHWM (peak resident set) of the server process, from /proc (Linux)."""
+        if self.process is None:
+            return None
+        try:
+            for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+        except OSError:
+            return None
+        return None
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)  # drains (running requests finish), exits 0
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+
+
+def mem_total_mib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def gpu_memory_mib(pid: int | None = None) -> dict[str, float] | None:
+    """GPU memory via nvidia-smi where present: {used, total} MiB (used by `pid` when given and listed)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        total_out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+                                   capture_output=True, text=True, timeout=10, check=True).stdout
+        used, total = (sum(float(line.split(",")[i]) for line in total_out.strip().splitlines()) for i in (0, 1))
+        if pid is not None:
+            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=10, check=True).stdout
+            mine = [float(line.split(",")[1]) for line in apps.strip().splitlines() if line.split(",")[0].strip() == str(pid)]
+            used = sum(mine) if mine else used
+        return {"used": used, "total": total}
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def start_embedded(name: str, options: GateOptions, draft: str, lossy: str | None = None) -> Endpoint:
+    """`specgate serve` on 127.0.0.1, any free port; returns once it listens (ServerStartError with its error)."""
+    log_path = options.out / f"server-{name}.log"
+    info_path = options.out / f"server-{name}.json"
+    cmd = [
+        sys.executable, "-m", "specgate", "serve", "--target", options.target, "--draft", draft, "--host", "127.0.0.1", "--port", "0",
+        "--policy", "off" if draft == "none" else "fixed", "--gamma", str(options.gamma), "--max-num-seqs", str(options.max_num_seqs),
+        "--max-waiting", "1024", "--max-seq-len", str(options.max_seq_len), "--dtype", resolve_dtype(options.dtype), "--json",
+    ]
+    if lossy:
+        cmd += ["--lossy", lossy]
+    with open(info_path, "wb") as stdout, open(log_path, "wb") as stderr:
+        process = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            info = json.loads(info_path.read_text())
+            url = info["url"]
+            return Endpoint(name, url, f"{url}/metrics", process, log_path, info)
+        except (ValueError, KeyError, OSError):
+            pass
+        if process.poll() is not None:
+            lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+            message = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else "no output")
+            raise ServerStartError(f"`specgate serve --draft {draft}` exited with status {process.returncode}: {message.strip()}")
+        time.sleep(0.2)
+    process.kill()
+    process.wait()
+    raise ServerStartError(f"`specgate serve --draft {draft}` did not start listening within {SERVER_START_TIMEOUT_S:.0f} s (log: {log_path})")
+
+
+def default_draft_unavailable(target: str) -> str | None:
+    """Why `--draft default` cannot work for `target` (None when a default draft is registered for it)."""
+    from specgate.drafting.registry import DEFAULT_DRAFTS
+
+    name = Path(target).name if os.sep in target else target
+    if name in DEFAULT_DRAFTS:
+        where = Path(DEFAULT_DRAFTS[name])
+        if os.sep in DEFAULT_DRAFTS[name] and not (where / "config.json").is_file() and not where.is_file():
+            return f"the default draft for {target} is unavailable (its weights are not at {where} yet): continuing without it"
+        return None
+    known = ", ".join(sorted(DEFAULT_DRAFTS)) or "none yet"
+    return (f"the default draft for {target} is unavailable (not registered in specgate.drafting.registry.DEFAULT_DRAFTS; "
+            f"targets with one: {known}): continuing without it")
+
+
+# ------------------------------------------------------------------------------------------ phases
+
+
+@dataclass
+class Plan:
+    """The requests of every phase, identical for every configuration (paired comparisons)."""
+
+    c1_by_category: dict[str, list[gate_client.RequestSpec]]
+    load: list[gate_client.RequestSpec]
+    poisson: list[gate_client.RequestSpec]
+    math: list[gate_client.RequestSpec]
+    sample: list[gate_client.RequestSpec]
+    math_items: list[wl.MathItem]
+    categories: dict[str, str]
+
+    def total(self, concurrency: list[int], requests_per_level: int) -> int:
+        levels = [c for c in concurrency if c != 1]
+        return (1 + sum(len(v) for v in self.c1_by_category.values()) + len(levels) * requests_per_level
+                + len(self.poisson) + len(self.math) + len(self.sample))
+
+
+def make_plan(options: GateOptions) -> Plan:
+    prompts = wl.take_balanced(wl.load_prompts(options.workload), options.per_category)
+    math_items = wl.load_math(options.math)[: options.math_items]
+
+    def spec(p: wl.Prompt, **kw: Any) -> gate_client.RequestSpec:
+        return gate_client.RequestSpec(p.id, p.category, p.prompt, p.max_tokens or options.max_tokens, **kw)
+
+    by_category: dict[str, list[gate_client.RequestSpec]] = {}
+    for p in prompts:
+        by_category.setdefault(p.category, []).append(spec(p))
+    load = [spec(prompts[i % len(prompts)]) for i in range(options.requests_per_level)]
+    poisson = [spec(prompts[i % len(prompts)]) for i in range(options.poisson_requests)]
+    math_specs = [gate_client.RequestSpec(m.id, "math-set", quality.math_prompt(m), 8, ignore_eos=False, stop=["\n"]) for m in math_items]
+    sample = [spec(prompts[i % len(prompts)], temperature=1.0, seed=options.seed * 7919 + i) for i in range(min(options.sample_prompts, len(prompts)))]
+    return Plan(by_category, load, poisson, math_specs, sample, math_items, {p.id: p.category for p in prompts})
+
+
+async def _scrape(http: Any, url: str) -> prom.SpecSnapshot | None:
+    try:
+        response = await http.get(url, timeout=10.0)
+        if response.status_code != 200:
+            return None
+        return prom.read_spec(prom.parse_exposition(response.text))
+    except Exception:  # the server is gone, or not Prometheus: no counters for this phase
+        return None
+
+
+async def _healthy(http: Any, url: str) -> bool:
+    try:
+        return (await http.get(f"{url}/health", timeout=10.0)).status_code == 200
+    except Exception:
+        return False
+
+
+PhaseHook = Callable[[str, str, Endpoint], None]
+
+
+async def measure_config(
+    endpoint: Endpoint, plan: Plan, options: GateOptions, result: dict[str, Any], records: list[dict], *,
+    advance: Callable[[int], None], after_phase: PhaseHook | None = None,
+) -> None:
+    """Run every phase against one endpoint, filling `result` (sweep, poisson, windows, outputs, memory)."""
+    import httpx
+
+    name = endpoint.name
+    client = gate_client.Client(endpoint.url, model=options.model, api_key=options.api_key, timeout_s=options.request_timeout_s)
+    http = httpx.AsyncClient()
+    windows: list[prom.SpecWindow] = []
+    result.update({"sweep": [], "per_category": {}, "per_category_latency": {}, "greedy": {}, "math_outputs": {}, "samples": {}, "phases": []})
+    try:
+        async def phase(phase_name: str, run: Callable[[], Any]) -> tuple[gate_client.PhaseResult, prom.SpecWindow | None] | None:
+            before = await _scrape(http, endpoint.metrics_url)
+            phase_start = time.perf_counter()
+            outcome = await run()
+            after = await _scrape(http, endpoint.metrics_url)
+            window = prom.spec_window(before, after) if before is not None and after is not None else None
+            if window is not None:
+                windows.append(window)
+            for record in outcome.records:
+                records.append(record.to_dict())
+            result["phases"].append({"name": phase_name, "wall_s": time.perf_counter() - phase_start, "failed": sum(not r.ok for r in outcome.records)})
+            failed = [r for r in outcome.records if not r.ok]
+            if after_phase is not None:
+                after_phase(name, phase_name, endpoint)
+            if failed and (not endpoint.alive() or not await _healthy(http, endpoint.url)):
+                raise ServerDied(f"{endpoint.exit_description()} during phase '{phase_name}' "
+                                 f"({len(failed)}/{len(outcome.records)} requests failed: {failed[0].error})")
+            if not endpoint.alive():
+                raise ServerDied(f"{endpoint.exit_description()} after phase '{phase_name}'")
+            return outcome, window
+
+        def closed(specs: list, concurrency: int, phase_name: str) -> Callable[[], Any]:
+            return lambda: gate_client.closed_loop(client, specs, concurrency, config=name, phase=phase_name, on_done=lambda _: advance(1))
+
+        warm = [gate_client.RequestSpec("warmup", "warmup", "Hello", 4)]
+        await phase("warmup", closed(warm, 1, "warmup"))
+        level1_records: list[gate_client.RequestRecord] = []
+        level1_wall, level1_windows = 0.0, []
+        for category, specs in plan.c1_by_category.items():
+            outcome, window = await phase(f"c1:{category}", closed(specs, 1, f"c1:{category}"))
+            level1_records += outcome.records
+            level1_wall += outcome.wall_s
+            result["per_category"][category] = window.to_dict() if window else None
+            result["per_category_latency"][category] = gate_client.summarise(outcome)
+            if window:
+                level1_windows.append(window)
+            result["greedy"].update({r.prompt_id: r.text for r in outcome.ok})
+        level = gate_client.summarise(gate_client.PhaseResult(level1_records, level1_wall))
+        level.update(concurrency=1, spec=prom.merge_windows(level1_windows).to_dict() if level1_windows else None)
+        result["sweep"].append(level)
+        for concurrency in [c for c in options.concurrency if c != 1]:
+            outcome, window = await phase(f"c{concurrency}", closed(plan.load, concurrency, f"c{concurrency}"))
+            level = gate_client.summarise(outcome)
+            level.update(concurrency=concurrency, spec=window.to_dict() if window else None)
+            result["sweep"].append(level)
+        outcome, window = await phase("poisson", lambda: gate_client.open_loop(
+            client, plan.poisson, options.qps, config=name, phase="poisson", seed=options.seed, on_done=lambda _: advance(1)))
+        result["poisson"] = {**gate_client.summarise(outcome), "qps": options.qps, "spec": window.to_dict() if window else None}
+        outcome, _ = await phase("math", closed(plan.math, max(options.concurrency), "math"))
+        result["math_outputs"] = {r.prompt_id: r.text for r in outcome.ok}
+        outcome, _ = await phase("sample", closed(plan.sample, max(options.concurrency), "sample"))
+        result["samples"] = {r.prompt_id: r.text for r in outcome.ok}
+    except ServerDied as exc:
+        result["failure"] = str(exc)
+    finally:
+        snapshot = await _scrape(http, endpoint.metrics_url)
+        result["spec_total"] = prom.merge_windows(windows).to_dict() if windows else None
+        rss = endpoint.peak_rss_mib()
+        gpu = gpu_memory_mib(endpoint.process.pid if endpoint.process else None)
+        result["memory"] = {
+            "peak_rss_mib": rss, "mem_total_mib": mem_total_mib() if endpoint.process else None,
+            "gpu_memory_used_mib": gpu["used"] if gpu else None, "gpu_memory_total_mib": gpu["total"] if gpu else None,
+            "kv_slots_total": snapshot.kv_slots_total if snapshot else None,
+            "preemptions": snapshot.preemptions if snapshot else None,
+        }
+        await client.close()
+        await http.aclose()
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------ the whole run
+
+
+def _configs(options: GateOptions, notes: list[str]) -> list[tuple[str, str, str | None]]:
+    """(name, draft, lossy) of every embedded configuration; the baseline first."""
+    configs: list[tuple[str, str, str | None]] = [("baseline", "none", None)]
+    for draft in options.drafts:
+        if draft == "none":
+            continue
+        if draft == "default":
+            why = default_draft_unavailable(options.target)
+            if why is not None:
+                notes.append(why)
+                continue
+        configs.append((draft if "/" not in draft else Path(draft).name, draft, None))
+    if options.lossy:  # the LOSSY twin of the first speculative configuration (ngram if there is none)
+        name, draft = (configs[1][0], configs[1][1]) if len(configs) > 1 else ("ngram", "ngram")
+        configs.append((f"{name}-lossy-{options.lossy.split(':')[0]}", draft, options.lossy))
+    return configs
+
+
+def run_gate(options: GateOptions, *, progress: Any = None, after_phase: PhaseHook | None = None, log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Measure, score, decide and write the report; returns the report dict (also written as report.json)."""
+    from specgate.gate import report as gate_report
+
+    options.validate()
+    out = check_out_dir(options.out)
+    started = time.perf_counter()
+    plan = make_plan(options)
+    notes: list[str] = []
+    results: dict[str, dict[str, Any]] = {}
+    records: list[dict] = []
+    total = plan.total(options.concurrency, options.requests_per_level)
+
+    def measure(endpoint: Endpoint, meta: dict[str, Any]) -> None:
+        task = progress.add_task(f"{endpoint.name}", total=total) if progress else None
+        result = results.setdefault(endpoint.name, meta)
+        advance = (lambda n: progress.advance(task, n)) if progress else (lambda n: None)
+        asyncio.run(measure_config(endpoint, plan, options, result, records, advance=advance, after_phase=after_phase))
+        if progress:
+            progress.update(task, completed=total)
+
+    if options.external:
+        metrics = options.metrics_urls + [None] * (2 - len(options.metrics_urls))
+        pairs = [("baseline", options.baseline_endpoint, metrics[1], "none"), ("speculative", options.endpoint, metrics[0], "external")]
+        for name, url, murl, draft in pairs:
+            url = url.rstrip("/")
+            log(f"measuring {name} at {url}")
+            endpoint = Endpoint(name, url, murl or f"{url}/metrics")
+            measure(endpoint, {"name": name, "draft": draft, "gamma": options.gamma if draft != "none" else 0, "url": url, "lossy": None})
+    else:
+        for name, draft, lossy in _configs(options, notes):
+            meta = {"name": name, "draft": draft, "gamma": 0 if draft == "none" else options.gamma, "lossy": lossy, "policy": "off" if draft == "none" else "fixed"}
+            log(f"starting `specgate serve --draft {draft}`" + (f" --lossy {lossy}" if lossy else "") + f" for {name}")
+            start_s = time.perf_counter()
+            try:
+                endpoint = start_embedded(name, options, draft, lossy)
+            except ServerStartError as exc:
+                results[name] = {**meta, "failure": f"server did not start: {exc}"}
+                if draft == "default":
+                    notes.append(f"the default draft is unavailable: {exc}; continuing with the other drafts")
+                    del results[name]
+                log(f"{name}: {exc}")
+                continue
+            meta["server"], meta["startup_s"] = endpoint.info, time.perf_counter() - start_s
+            try:
+                measure(endpoint, meta)
+            finally:
+                endpoint.stop()
+    scoring_start = time.perf_counter()
+    scored = score_quality(options, plan, results, notes, log)
+    scored["scoring_s"] = time.perf_counter() - scoring_start
+    report = gate_report.build_report(options, plan, results, scored, notes, wall_s=time.perf_counter() - started)
+    gate_report.write_outputs(out, report, records)
+    return report
+
+
+def score_quality(options: GateOptions, plan: Plan, results: dict[str, dict], notes: list[str], log: Callable[[str], None]) -> dict[str, Any]:
+    """Target-side scoring in this process (after every server stopped): text perplexity and sampled log-likelihoods."""
+    scored: dict[str, Any] = {"perplexity": None, "loglik": {}}
+    if not options.score:
+        notes.append("target scoring skipped (--no-score): no perplexity, no sampled log-likelihood test")
+        return scored
+    try:
+        import torch
+
+        from specgate.models import load_model
+
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_dtype(options.dtype)]
+        log(f"scoring with the target {options.target} in this process")
+        scorer = quality.TargetScorer(load_model(options.target, dtype=dtype))
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        notes.append(f"target scoring unavailable ({exc}): give --target with local weights for perplexity and the log-likelihood test")
+        return scored
+    scored["perplexity"] = scorer.perplexity(wl.load_text(options.text), seed=options.seed)
+    prompts = {s.prompt_id: s.prompt for s in plan.sample}
+    for name, result in results.items():
+        scored["loglik"][name] = {pid: scorer.continuation_logprob(prompts[pid], text) for pid, text in (result.get("samples") or {}).items() if pid in prompts}
+    return scored

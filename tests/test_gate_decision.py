@@ -1,0 +1,146 @@
+"""The gate's decision on synthetic measurements: each criterion passes on a good run and can fail on its own."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from specgate import theory
+from specgate.gate import client, decision, quality
+from specgate.gate.workload import MathItem
+
+
+def level(n: int, tps: float, ttft: float, itl: float, decode_s: float, tokens: int, requests: int, accepted: float = 0.0, drafts: float = 0.0, draft_len: float = 4.0) -> dict:
+    spec = None
+    if drafts:
+        spec = {"num_accepted_tokens": accepted, "num_drafts": drafts, "acceptance_length": 1 + accepted / drafts, "mean_draft_len": draft_len}
+    return {"concurrency": n, "output_tokens_per_s": tps, "ttft_p95_s": ttft, "itl_p95_s": itl, "decode_s_sum": decode_s,
+            "output_tokens": tokens, "ok": requests, "spec": spec}
+
+
+def good_run() -> tuple[dict, dict, dict, decision.Thresholds]:
+    # baseline: 1000 tokens over 10 requests, 990 steps of 50 ms; speculation: AL 2.5 and steps of 60 ms
+    baseline = {"name": "baseline", "gamma": 0, "sweep": [level(1, 20.0, 0.1, 0.05, 49.5, 1000, 10), level(4, 60.0, 0.2, 0.07, 69.3, 1000, 10)],
+                "memory": {"peak_rss_mib": 1000.0, "mem_total_mib": 24000.0, "preemptions": 0.0}}
+    spec = {"name": "ngram", "draft": "ngram", "gamma": 4,
+            "sweep": [level(1, 40.0, 0.1, 0.025, 23.4, 1000, 10, accepted=600, drafts=400), level(4, 90.0, 0.21, 0.05, 35.1, 1000, 10, accepted=600, drafts=400)],
+            "memory": {"peak_rss_mib": 1100.0, "mem_total_mib": 24000.0, "preemptions": 0.0}}
+    q = {"greedy": {"pairs": 8, "matches": 8, "rate": 1.0, "mismatches": []},
+         "math": {"delta": 0.0, "delta_ci95": (-0.1, 0.1), "within_noise": True, "speculative_em": 0.5, "baseline_em": 0.5, "mcnemar_p": 1.0},
+         "loglik": {"pairs": 8, "p_value": 0.6, "significance": 0.01, "flagged": False, "speculative_mean": -2.0, "baseline_mean": -2.0}}
+    return baseline, spec, q, decision.Thresholds(target_concurrency=4)
+
+
+def verdict_of(baseline, spec, q, t):
+    verdict, criteria = decision.decide(baseline, spec, q, t)
+    return verdict, {c.name: c for c in criteria}
+
+
+def test_a_good_run_is_go_with_every_criterion_reported():
+    verdict, by_name = verdict_of(*good_run())
+    assert set(by_name) == set(decision.CRITERIA)
+    assert verdict == "GO", [c.reason for c in by_name.values() if not c.passed]
+    for c in by_name.values():
+        assert set(c.to_dict()) == {"name", "value", "threshold", "pass", "reason"}
+
+
+def _break(name: str, run):
+    baseline, spec, q, t = run
+    if name == "acceptance_above_alpha_min":  # AL 1.05 at a step cost 1.2x: alpha far below alpha_min
+        for lv in spec["sweep"]:
+            lv["spec"].update(num_accepted_tokens=20, acceptance_length=1.05)
+            lv["decode_s_sum"] = lv["decode_s_sum"] * 3.0
+    elif name == "throughput_at_target_concurrency":
+        spec["sweep"][1]["output_tokens_per_s"] = 50.0
+    elif name == "ttft_p95_at_target_concurrency":
+        spec["sweep"][1]["ttft_p95_s"] = 0.25  # > 0.2 * 1.1
+    elif name == "itl_p95_at_target_concurrency":
+        spec["sweep"][1]["itl_p95_s"] = 0.07  # equal is not better
+    elif name == "memory_headroom":
+        spec["memory"]["peak_rss_mib"] = 23000.0
+    elif name == "greedy_exact_match":
+        q["greedy"].update(matches=7, rate=7 / 8, mismatches=[{"prompt_id": "x"}])
+    elif name == "math_exact_match_delta":
+        q["math"].update(delta=-0.3, delta_ci95=(-0.5, -0.1), within_noise=False)
+    elif name == "sampled_loglik_shift":
+        q["loglik"].update(p_value=1e-5, flagged=True)
+    elif name == "lossless":
+        spec["lossy"] = "typical"
+    elif name == "completed":
+        spec["failure"] = "server process 123 killed by signal 9 during phase 'c4'"
+    return baseline, spec, q, t
+
+
+@pytest.mark.parametrize("name", decision.CRITERIA)
+def test_each_criterion_fails_alone(name):
+    verdict, by_name = verdict_of(*_break(name, copy.deepcopy(good_run())))
+    assert verdict == "NO-GO"
+    assert [n for n, c in by_name.items() if not c.passed] == [name]
+
+
+def test_preemptions_beyond_the_baseline_fail_memory_and_missing_levels_fail_loudly():
+    baseline, spec, q, t = good_run()
+    spec["memory"]["preemptions"] = 3.0
+    assert not verdict_of(baseline, spec, q, t)[1]["memory_headroom"].passed
+    t.target_concurrency = 8  # never measured
+    by_name = verdict_of(*good_run()[:3], t)[1]
+    assert not by_name["throughput_at_target_concurrency"].passed and "not measured" in by_name["throughput_at_target_concurrency"].reason
+
+
+def test_analysis_uses_theory_for_alpha_c_alpha_min_and_the_schedule():
+    baseline, spec, _, _ = good_run()
+    a = decision.analyse(baseline, spec, gamma_max=8)
+    row = a["per_concurrency"][0]
+    assert theory.expected_tokens(row["alpha"], 4) == pytest.approx(2.5, rel=1e-9)
+    # steps: baseline 49.5 / 990 = 50 ms; speculation 23.4 / (1000 - 600 - 10) = 60 ms -> c = (1.2 - 1) / 4
+    assert row["c"] == pytest.approx(0.05)
+    assert row["predicted_speedup"] == pytest.approx(theory.speedup(row["alpha"], 4, 0.05))
+    assert row["measured_speedup"] == pytest.approx(2.0)
+    assert a["alpha_min"] == pytest.approx(theory.alpha_min(4, 0.05))
+    assert a["paying_range"] == [1, 4] and all(r["recommended_gamma"] >= 1 for r in a["per_concurrency"])
+    s = decision.schedule_exports(a, "ngram", max_num_seqs=8)
+    ranges = s["vllm_speculative_config"]["num_speculative_tokens_per_batch_size"]
+    assert ranges[0][:2] == [1, 1] and ranges[1][:2] == [2, 4] and ranges[-1] == [5, 8, 0]
+    assert s["tensorrt_llm"]["draft_len_schedule"]["8"] == 0 and "--speculative-num-steps" in s["sglang_flags"]
+    assert s["specgate"].startswith("--policy table --gamma-table '1-1:")
+    spec["sweep"][1]["output_tokens_per_s"] = 50.0  # stops paying at 4 -> gamma 0 there
+    a = decision.analyse(baseline, spec)
+    assert a["paying_range"] == [1, 1] and a["per_concurrency"][1]["recommended_gamma"] == 0
+
+
+def test_itl_is_apportioned_per_token_and_tpot_defined():
+    assert client.apportion(7, [3, 3, 6]) == [2, 2, 3]
+    assert sum(client.apportion(10, [1, 5, 1, 1])) == 10
+    # chunks at 0.1 s (1 token), 0.3 s (2 tokens), 0.4 s (1 token): ITL samples 0.1, 0.1, 0.1
+    assert client.token_latencies([0.1, 0.3, 0.4], [4, 8, 4], 4) == pytest.approx([0.1, 0.1, 0.1])
+
+
+def test_math_pairing_bootstrap_and_loglik_test_flag_a_shift_and_only_a_shift():
+    items = [MathItem(str(i), f"What is {i} + 1?", str(i + 1)) for i in range(40)]
+    right = {str(i): f" {i + 1}" for i in range(40)}
+    half = {str(i): (f" {i + 1}" if i % 2 else " 0") for i in range(40)}
+    same = quality.paired_math(items, right, right)
+    assert same["delta"] == 0.0 and same["within_noise"] and same["baseline_em"] == 1.0
+    worse = quality.paired_math(items, right, half)
+    assert worse["delta"] == pytest.approx(-0.5) and not worse["within_noise"] and worse["mcnemar_p"] < 1e-4
+    rng = np.random.default_rng(0)
+    base = {str(i): (float(rng.normal(-2.0, 0.3)) * 20, 20) for i in range(24)}
+    null = {str(i): (float(rng.normal(-2.0, 0.3)) * 20, 20) for i in range(24)}
+    shifted = {str(i): (float(rng.normal(-1.2, 0.3)) * 20, 20) for i in range(24)}
+    assert not quality.loglik_two_sample(base, null).flagged
+    flagged = quality.loglik_two_sample(base, shifted)
+    assert flagged.flagged and flagged.p_value < 0.01 and flagged.speculative_perplexity < flagged.baseline_perplexity
+
+
+def test_greedy_mismatches_are_listed_with_the_first_differing_character():
+    g = quality.greedy_exact_match({"a": "hello world", "b": "same"}, {"a": "hello there", "b": "same"}, {"a": "prose"})
+    assert g["rate"] == 0.5 and g["mismatches"][0]["first_diff_char"] == 6 and g["mismatches"][0]["category"] == "prose"
+
+
+def test_thresholds_reject_bad_values():
+    with pytest.raises(ValueError, match="--memory-headroom"):
+        decision.Thresholds(memory_headroom=1.5).validate()
+    with pytest.raises(ValueError, match="--target-concurrency"):
+        decision.Thresholds(target_concurrency=0).validate()
