@@ -490,14 +490,7 @@ def rejection_sample_logits(
     logits_flat = logits.reshape(batch * positions, vocab_size)  # [B*(G+1), V]
     row_max = logits.amax(-1)  # [B, G+1]
     if validate:
-        used = torch.arange(positions)[None, :] <= num_draft_tokens[:, None]
-        bad = ~torch.isfinite(row_max) & used
-        if bad.any():
-            b, i = bad.nonzero()[0].tolist()
-            raise ValueError(
-                f"target_logits[{b}, {i}] has maximum {row_max[b, i].item()}; logits must be finite where "
-                "used (NaN, +inf or all -inf rows have no distribution)"
-            )
+        _check_finite_where_used(row_max, num_draft_tokens, "used (NaN, +inf or all -inf rows have no distribution)")
     accept_u, sample_u = draw_uniforms(num_draft_tokens, gamma, generators)
     valid = torch.arange(gamma, device=draft_tokens.device)[None, :] < num_draft_tokens[:, None]  # [B, G]
     safe_tokens = torch.where(valid, draft_tokens, 0).long()  # [B, G]
@@ -560,14 +553,10 @@ def greedy_verify(
     target_tokens = target_logits.argmax(-1)  # [B, G+1]
     if validate:  # argmax picks a NaN as the maximum: check the chosen values (free: [B, G+1] gathered)
         chosen = target_logits.gather(-1, target_tokens[..., None]).squeeze(-1)  # [B, G+1]
-        used = torch.arange(gamma + 1, device=target_logits.device)[None, :] <= num_draft_tokens[:, None]
-        bad = ~torch.isfinite(chosen) & used
-        if bad.any():
-            b, i = bad.nonzero()[0].tolist()
-            raise ValueError(
-                f"target_logits[{b}, {i}] has maximum {chosen[b, i].item()}; logits must be finite where used "
-                "(NaN, +inf or all -inf rows have no argmax to trust: check the model's forward pass)"
-            )
+        _check_finite_where_used(
+            chosen, num_draft_tokens,
+            "used (NaN, +inf or all -inf rows have no argmax to trust: check the model's forward pass)",
+        )
     valid = torch.arange(gamma, device=draft_tokens.device)[None, :] < num_draft_tokens[:, None]  # [B, G]
     num_accepted = accepted_prefix_length((draft_tokens == target_tokens[:, :gamma]) & valid)
     final = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
@@ -609,3 +598,16 @@ def verify(
         )
     target_probs = logits_to_probs(target_logits, params)
     return rejection_sample(draft_tokens, num_draft_tokens, draft_probs, target_probs, generators, validate=validate)
+
+
+def _check_finite_where_used(row_max: Tensor, num_draft_tokens: Tensor, why: str) -> None:
+    """ValueError naming the first position whose maximum logit is not finite among the positions a row uses.
+
+    row_max [B, G+1]: each position's maximum (or chosen) logit; position i of row b is used iff
+    i <= num_draft_tokens[b] (its drafts' scores plus the bonus / residual position).
+    """
+    used = torch.arange(row_max.shape[1], device=row_max.device)[None, :] <= num_draft_tokens[:, None]  # [B, G+1]
+    bad = ~torch.isfinite(row_max) & used
+    if bad.any():
+        b, i = bad.nonzero()[0].tolist()
+        raise ValueError(f"target_logits[{b}, {i}] has maximum {row_max[b, i].item()}; logits must be finite where {why}")
