@@ -151,3 +151,17 @@ def gemma():
     from specgate.models import load_model
 
     return load_model("gemma-3-270m")
+
+
+def recipe_draft_info(target, d2t: torch.Tensor) -> dict:
+    """The specgate_draft.json fields of a test draft over the target ids d2t (what the recipe writes)."""
+    from specgate.drafting.model_drafter import vocab_fingerprint
+
+    special = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+    return {
+        "target": target.name,
+        "target_vocab_size": int(target.model.vocab_size),
+        "target_special_ids": {name: getattr(target.tokenizer, name) for name in special},
+        "draft_vocab_sha256": vocab_fingerprint(target.tokenizer.convert_ids_to_tokens(d2t.tolist())),
+        "recipe": "test",
+    }

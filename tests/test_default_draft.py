@@ -18,10 +18,12 @@ from safetensors.torch import load_file, save_file
 
 from specgate.drafting import DEFAULT_DRAFTS, NoDrafter, make_drafter
 from specgate.drafting import distill
-from specgate.drafting.model_drafter import DRAFT_INFO_FILE, VOCAB_MAP_FILE, VOCAB_MAP_KEY, ModelDrafter, load_draft_dir, vocab_fingerprint
+from specgate.drafting.model_drafter import DRAFT_INFO_FILE, VOCAB_MAP_FILE, VOCAB_MAP_KEY, ModelDrafter, load_draft_dir
 from specgate.engine import generate
 from specgate.models import load_model
 from specgate.sampling import SamplingParams
+
+from conftest import recipe_draft_info
 
 MAX_DRAFT_BYTES = 30_000_000
 SHIPPED = Path(DEFAULT_DRAFTS["gemma-3-270m"])
@@ -34,13 +36,7 @@ def write_recipe_draft(target, out_dir: Path, vocab_size: int) -> Path:
     d2t = torch.cat([torch.tensor(always), rest]).sort().values
     config = distill.student_config(target.model.config, [0], vocab_size)
     student = distill.build_student(config, distill.student_state_from_target(target.model, [0], d2t))
-    info = {
-        "target": target.name,
-        "target_vocab_size": int(target.model.vocab_size),
-        "target_special_ids": {name: getattr(target.tokenizer, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")},
-        "draft_vocab_sha256": vocab_fingerprint(target.tokenizer.convert_ids_to_tokens(d2t.tolist())),
-        "recipe": "test",
-    }
+    info = recipe_draft_info(target, d2t)
     distill.save_student(student, config, d2t, out_dir, info)
     return out_dir
 

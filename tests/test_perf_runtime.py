@@ -145,3 +145,92 @@ def test_cli_rejects_an_unknown_dtype_before_loading(command):
     proc = subprocess.run([sys.executable, "-m", "specgate", *command, "--dtype", "float16"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--dtype 'float16' is not supported" in proc.stderr and "auto, float32, bfloat16" in proc.stderr
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_onednn_float32_linear_matches_f_linear(rows):
+    """The float32 CPU path (oneDNN's inner product) equals F.linear up to summation order, any leading shape."""
+    assert transformer.ONEDNN_LINEAR, "torch's CPU build ships oneDNN (mkldnn): the float32 fast path must be on"
+    generator = torch.Generator().manual_seed(10 + rows)
+    for n, k in ((4096, 64), (96, 640)):
+        weight = torch.randn(n, k, generator=generator)  # [N, K]
+        bias = torch.randn(n, generator=generator)  # [N]
+        x = torch.randn(2, rows, k, generator=generator)  # [B, T, K]
+        with torch.inference_mode():
+            out = transformer.linear(x, weight, bias)
+            plain = transformer.linear(x[0, 0], weight)  # [K] -> [N]
+        reference = F.linear(x, weight, bias)
+        tolerance = 4 * k**0.5 * 2**-23 * reference.abs().max().item()  # float32 summation-order differences
+        assert out.shape == (2, rows, n)
+        assert (out - reference).abs().max().item() <= tolerance
+        assert plain.shape == (n,) and (plain - F.linear(x[0, 0], weight)).abs().max().item() <= tolerance
+
+
+def test_linear_keeps_autograd_where_gradients_are_needed():
+    """Training (the draft distillation) needs gradients: the fast path, which records no graph, is skipped."""
+    weight = torch.randn(32, 16, requires_grad=True)
+    x = torch.randn(4, 16)
+    transformer.linear(x, weight).sum().backward()
+    assert weight.grad is not None and torch.allclose(weight.grad, x.sum(0).expand(32, 16))
+
+
+@pytest.fixture()
+def fresh_gemma(tiny_model_dir):
+    return load_model(str(tiny_model_dir("gemma3")), dtype=torch.float32).model
+
+
+def test_loader_fuses_qkv_and_gate_up_into_views_of_one_tensor(fresh_gemma):
+    attn, mlp = fresh_gemma.layers[0].self_attn, fresh_gemma.layers[0].mlp
+    assert attn.fused is not None and mlp.fused is not None
+    fused_qkv = attn.fused.get()[0]
+    assert fused_qkv.shape[0] == attn.q_proj.weight.shape[0] + 2 * attn.k_proj.weight.shape[0]
+    assert attn.q_proj.weight.data_ptr() == fused_qkv.data_ptr()
+    assert torch.equal(fused_qkv[-attn.v_proj.weight.shape[0] :], attn.v_proj.weight)
+    names = set(fresh_gemma.state_dict())
+    assert "layers.0.self_attn.q_proj.weight" in names and "layers.0.mlp.up_proj.weight" in names
+    assert not any("fused" in name for name in names)
+
+
+def test_fused_and_separate_projections_give_the_same_logits(fresh_gemma):
+    ids = torch.randint(0, fresh_gemma.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        fused = _prefix_logits(fresh_gemma, ids)
+    for block in fresh_gemma.layers:  # force the separate products
+        block.self_attn.fused = block.mlp.fused = None
+    with torch.inference_mode():
+        separate = _prefix_logits(fresh_gemma, ids)
+    assert (fused - separate).abs().max().item() <= 1e-4 * max(1.0, separate.abs().max().item())
+
+
+def test_fused_projections_follow_in_place_updates_and_notice_new_storage(fresh_gemma):
+    """load_state_dict copies in place (into the fused tensor); `.to()` gives new storage (fusion off, still right)."""
+    ids = torch.randint(0, fresh_gemma.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    attn = fresh_gemma.layers[0].self_attn
+    state = {name: tensor.clone() for name, tensor in fresh_gemma.state_dict().items()}
+    state["layers.0.self_attn.k_proj.weight"] = torch.randn_like(state["layers.0.self_attn.k_proj.weight"])
+    fresh_gemma.load_state_dict(state)
+    assert attn.fused.get() is not None  # still aliased: the copy went into the fused tensor
+    with torch.inference_mode():
+        after_update = _prefix_logits(fresh_gemma, ids)
+    fresh_gemma.layers[0].self_attn.fused = None
+    with torch.inference_mode():
+        reference = _prefix_logits(fresh_gemma, ids)
+    assert (after_update - reference).abs().max().item() <= 1e-4 * max(1.0, reference.abs().max().item())
+
+    fresh_gemma.fuse_projections()
+    fresh_gemma.to(torch.float64)  # new storage for every parameter: the fused tensors are stale now
+    assert fresh_gemma.layers[1].self_attn.fused.get() is None and fresh_gemma.layers[1].mlp.fused.get() is None
+    with torch.inference_mode():
+        widened = _prefix_logits(fresh_gemma, ids)
+    assert (widened.float() - reference).abs().max().item() <= 1e-3 * max(1.0, reference.abs().max().item())
+
+
+def test_gemma_norm_scale_is_recomputed_after_the_weight_changes():
+    norm = transformer.RMSNorm(8, 1e-6, gemma=True).requires_grad_(False)
+    x = torch.randn(2, 8)
+    before = norm(x)
+    with torch.no_grad():
+        norm.weight.add_(1.0)  # (1 + w) doubles where w was 0
+    assert torch.allclose(norm(x), 2 * before, atol=1e-6)
+    norm.weight.data = torch.full((8,), 2.0)  # new storage
+    assert torch.allclose(norm(x), 3 * before, atol=1e-6)

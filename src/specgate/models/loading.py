@@ -116,7 +116,7 @@ def build_model(config: Any, tensors: Iterator[tuple[str, torch.Tensor]], dtype:
     model.load_state_dict(state, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.eval().requires_grad_(False)
+    return model.fuse_projections().eval().requires_grad_(False)
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specgate.models.dtypes import native_bf16
+from specgate.models import native
 from specgate.models.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
@@ -154,32 +155,53 @@ def rope_inv_freq(params: dict[str, Any], head_dim: int) -> Tensor:
 
 
 UPCAST_CHUNK_ELEMENTS = 1 << 21  # weight elements upcast to fp32 at a time (8 MB): the chunk stays in cache while used
-TALL_WEIGHT_RATIO = 8  # a weight with >= 8x more rows than columns (an LM head) is multiplied as weight @ x^T
+
+
+def _onednn_linear_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+ONEDNN_LINEAR = _onednn_linear_available()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] times weight [N, K] transposed (+ bias [N]) -> [..., N], like F.linear, faster on CPU for several rows.
+    """x [..., K] times weight [N, K] transposed (+ bias [N]) -> [..., N], like F.linear, faster on CPU.
 
-    One row (a batch-1 decode step) is a matrix-vector product: F.linear. Several rows on CPU:
-    - float32, tall weight (the LM head): (weight @ x^T)^T. MKL multiplies a tall weight by a thin matrix
-      faster than the thin matrix by the transposed weight (Gemma's 262k-row head, 5 rows, one thread: 125 vs
-      150 ms; two threads: 118 vs 236 ms on the 2-core VM); for the square-ish layer weights F.linear is faster.
+    - float32 on CPU, an LM head (>= 16M elements) times 1..12 rows: specgate.models.native's C kernel, which reads
+      the head once for all rows (oneDNN and MKL cost 2.5-3x a 1-row product for 2-9 rows).
+    - other float32 on CPU: oneDNN's inner-product primitive (torch.ops.mkldnn._linear_pointwise, the op inductor
+      emits for a linear, on the plain strided weight). F.linear goes to MKL, whose matrix-vector product runs
+      on one core on this project's AMD CPUs and reads memory at half the machine's bandwidth; oneDNN uses every
+      torch thread. Gemma-3-270M's 262,144 x 640 head, 2 threads, 1 row: 57 ms (F.linear) vs 25 ms; 9 rows:
+      177 vs 74 ms; a 2048 x 640 layer weight read from memory: ~470 vs ~270 us (bench/bench_perf.py).
+      Not used where autograd needs the graph (training), which the op does not record.
     - bfloat16 without native bf16 instructions: PyTorch's bf16 GEMM then costs one matrix-vector pass per
       row, so the weight is upcast to float32 in cache-sized chunks and multiplied in float32 (the bytes read
       from memory stay bf16); the result is rounded to bf16, as a bf16 GEMM with float32 accumulation does.
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows <= 1 or x.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+    if rows == 0 or x.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
-    if weight.dtype == torch.bfloat16 and native_bf16():
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return F.linear(x, weight, bias)
-    if weight.dtype == torch.float32 and weight.shape[0] < TALL_WEIGHT_RATIO * weight.shape[1]:
+    if weight.dtype == torch.float32:
+        if native.applies(x, weight):  # the LM head for 1..12 rows: read once (see specgate.models.native)
+            out = native.skinny_linear(x.reshape(rows, x.shape[-1]), weight)  # [R, N]
+            if bias is not None:
+                out = out + bias
+            return out.reshape(*x.shape[:-1], weight.shape[0])
+        if not ONEDNN_LINEAR or x.dtype != torch.float32 or not weight.is_contiguous():
+            return F.linear(x, weight, bias)
+        flat = x.reshape(rows, x.shape[-1])  # [R, K]
+        out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")  # [R, N]
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    if rows == 1 or native_bf16():
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])  # [R, K]
-    if weight.dtype == torch.float32:
-        out = torch.mm(weight, flat.t())  # [N, R]
-    else:
-        out = _upcast_mm(weight, flat.float().t())  # [N, R] float32
+    out = _upcast_mm(weight, flat.float().t())  # [N, R] float32
     out = out.t().contiguous().to(x.dtype)  # [R, N]
     if bias is not None:
         out = out + bias
@@ -215,16 +237,69 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.gemma = eps, gemma
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self._scale: tuple[tuple[int, int, torch.dtype], Tensor] | None = None  # (weight identity, 1 + w in float32)
+
+    def _gemma_scale(self) -> Tensor:
+        """1 + w in float32, computed once per version of the weight (not per call: decode calls this ~100x a step)."""
+        weight = self.weight
+        if (torch.is_grad_enabled() and weight.requires_grad) or weight.is_inference():
+            return 1.0 + weight.float()  # training: autograd needs the graph to w; inference tensors have no version
+        key = (weight.data_ptr(), weight._version, weight.dtype)
+        if self._scale is None or self._scale[0] != key:
+            self._scale = (key, (1.0 + weight.detach().float()).contiguous())
+        return self._scale[1]
 
     def forward(self, x: Tensor) -> Tensor:
         shape = (x.shape[-1],)
         if self.gemma:  # one fused kernel: x̂ * (1 + w), all in float32
-            return F.rms_norm(x.float(), shape, 1.0 + self.weight.float(), self.eps).type_as(x)
+            if x.dtype == torch.float32:
+                return F.rms_norm(x, shape, self._gemma_scale(), self.eps)
+            return F.rms_norm(x.float(), shape, self._gemma_scale(), self.eps).type_as(x)
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
 
 def _proj(layer: nn.Linear, x: Tensor) -> Tensor:
     return linear(x, layer.weight, layer.bias)
+
+
+class FusedLinears:
+    """Several nn.Linear over the same input, their weights (and biases) made row blocks of one tensor, so that a
+    forward is one matrix product instead of several (q, k, v: one; gate, up: one). Each layer's parameter keeps
+    its name, shape and values: its .data becomes a view of the fused tensor, so the state dict, in-place updates
+    and load_state_dict (which copies in place) keep working and stay in the fused tensor. Anything that gives a
+    layer new storage (model.to(...), assigning a new Parameter) breaks the aliasing; `get()` notices (data
+    pointers differ) and returns None, and the caller falls back to the separate products."""
+
+    def __init__(self, layers: list[nn.Linear]) -> None:
+        self.layers = layers
+        self.weight = torch.cat([layer.weight.detach() for layer in layers])  # [sum N_i, K]
+        has_bias = layers[0].bias is not None
+        self.bias = torch.cat([layer.bias.detach() for layer in layers]) if has_bias else None  # [sum N_i]
+        self.sizes = [layer.weight.shape[0] for layer in layers]
+        offset = 0
+        for layer, size in zip(layers, self.sizes):
+            layer.weight.data = self.weight[offset : offset + size]
+            if has_bias:
+                layer.bias.data = self.bias[offset : offset + size]
+            offset += size
+
+    def _aliased(self) -> bool:
+        offset = 0
+        for layer, size in zip(self.layers, self.sizes):
+            weight = layer.weight
+            if weight.data_ptr() != self.weight[offset].data_ptr() or weight.shape != (size, self.weight.shape[1]):
+                return False
+            if self.bias is not None and (layer.bias is None or layer.bias.data_ptr() != self.bias[offset:].data_ptr()):
+                return False
+            offset += size
+        return True
+
+    def get(self) -> tuple[Tensor, Tensor | None] | None:
+        """(weight, bias) to multiply by, or None where the separate layers must be used: the aliasing is broken, or
+        autograd needs the layers' own parameters (training)."""
+        if torch.is_grad_enabled() and self.layers[0].weight.requires_grad:
+            return None
+        return (self.weight, self.bias) if self._aliased() else None
 
 
 class MLP(nn.Module):
@@ -238,9 +313,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.fused: FusedLinears | None = None  # gate and up as one product, set by CausalLM.fuse_projections
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        fused = self.fused.get() if self.fused is not None else None
+        if fused is not None:
+            gate_out, up_out = linear(x, *fused).chunk(2, dim=-1)  # [..., I] each
+            return linear(self.act(gate_out) * up_out, down.weight, down.bias)
         return linear(self.act(linear(x, gate.weight, gate.bias)) * linear(x, up.weight, up.bias), down.weight, down.bias)
 
 
@@ -259,15 +339,21 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps, gemma=True)
         else:
             self.q_norm = self.k_norm = None
+        self.fused: FusedLinears | None = None  # q, k, v as one product, set by CausalLM.fuse_projections
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: tuple[Tensor, int], batch: "Batch") -> Tensor:
         """x [B, T, H]; rope: cos, sin [B, 1, T, D]; mask: ([B, 1, T, L - start] bool, True = attend; start), the
         keys at positions start..L-1 being the only ones any query of this layer can see."""
         mask, start = mask
         B, T, _ = x.shape
-        q = _proj(self.q_proj, x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H_q, T, D]
-        k = _proj(self.k_proj, x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
-        v = _proj(self.v_proj, x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        fused = self.fused.get() if self.fused is not None else None
+        if fused is not None:
+            q, k, v = linear(x, *fused).split(self.fused.sizes, dim=-1)  # [B, T, H_q D], [B, T, H_kv D] x 2
+        else:
+            q, k, v = _proj(self.q_proj, x), _proj(self.k_proj, x), _proj(self.v_proj, x)
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H_q, T, D]
+        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -331,6 +417,15 @@ class CausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def fuse_projections(self) -> "CausalLM":
+        """Make q/k/v and gate/up one product each (see FusedLinears): 3 matrix products per layer instead of 6.
+        Called by the loader once the weights are in place; the parameters keep their names and values."""
+        for block in self.layers:
+            attn, mlp = block.self_attn, block.mlp
+            attn.fused = FusedLinears([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.fused = FusedLinears([mlp.gate_proj, mlp.up_proj])
+        return self
 
     @property
     def device(self) -> torch.device:
