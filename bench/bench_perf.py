@@ -15,6 +15,9 @@ Sections (all but demo_rss run by default; pick with --sections):
   measured alpha and c (c = draft ms per drafted token / the baseline's target ms per step); whether the
   speculative output equals target-only greedy token for token (in bf16 a multi-token verify pass and a 1-token
   pass may round differently, so this is measured, not assumed).
+- head: the LM-head product alone (a float32 262,144 x 640 weight, Gemma-3-270M's shape) times R = 1..20 rows, by
+  each formulation the runtime could use: F.linear (MKL), oneDNN's inner product, specgate's native kernel
+  (specgate.models.native); median ms of --steps calls per R, the three interleaved (not with --dtypes: float32).
 - demo_rss: peak resident memory of each command of `make demo` (read from the Makefile; /usr/bin/time -v,
   else getrusage).
 
@@ -39,6 +42,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.progress import Progress
 
 from specgate.drafting import NgramDrafter, NoDrafter
 from specgate.engine import generate
@@ -62,7 +66,8 @@ def demo_commands() -> list[str]:
             commands.append(line.strip().replace("$(VENV)", ".venv"))
     return commands
 
-SECTIONS = ("bandwidth", "floor", "decode", "ngram", "demo_rss")
+SECTIONS = ("bandwidth", "floor", "decode", "ngram", "head", "demo_rss")
+HEAD_ROWS = (1, 2, 3, 5, 9, 12, 16, 20)
 console = Console(stderr=True)
 
 
@@ -73,6 +78,35 @@ def median_s(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def head_products(steps: int) -> list[dict[str, Any]]:
+    """Median ms of the head product per row count and formulation (interleaved call by call)."""
+    from specgate.models import native
+
+    weight = torch.randn(262_144, 640, generator=torch.Generator().manual_seed(0))  # [V, H] float32, 671 MB
+    lanes = {
+        "f_linear_ms": lambda x: torch.nn.functional.linear(x, weight),
+        "onednn_ms": lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""),
+    }
+    if native.available():
+        lanes["native_ms"] = lambda x: native.skinny_linear(x, weight)
+    rows_out = []
+    with torch.inference_mode(), Progress(console=console, transient=True) as progress:
+        task = progress.add_task("head products", total=len(HEAD_ROWS))
+        for rows in HEAD_ROWS:
+            x = torch.randn(rows, 640)  # [R, H]
+            times: dict[str, list[float]] = {name: [] for name in lanes}
+            for name, fn in lanes.items():
+                fn(x)  # warm-up
+            for _ in range(steps):
+                for name, fn in lanes.items():
+                    start = time.perf_counter()
+                    fn(x)
+                    times[name].append(time.perf_counter() - start)
+            rows_out.append({"rows": rows, **{name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}})
+            progress.advance(task)
+    return rows_out
 
 
 # --- bandwidth and the floor ------------------------------------------------------------------------------------
@@ -299,6 +333,13 @@ def print_markdown(report: dict[str, Any]) -> None:
                           f"c_eff {t['c_effective']:.3f}, predicted {t['predicted_speedup_effective_c']:.2f}x, measured/predicted {t['measured_over_predicted_effective_c']:.2f}; AL {t['acceptance_length']:.2f}, "
                           f"verify ms/step {t['verify_ms_per_step']:.1f} vs baseline {t['baseline_verify_ms_per_step']:.1f}")
         print()
+    if report.get("head"):
+        names = [name for name in ("f_linear_ms", "onednn_ms", "native_ms") if name in report["head"][0]]
+        print("| rows | " + " | ".join(names) + " |")
+        print("|" + "---|" * (len(names) + 1))
+        for row in report["head"]:
+            print(f"| {row['rows']} | " + " | ".join(f"{row[name]:.1f}" for name in names) + " |")
+        print()
     for row in report.get("demo_rss", []):
         print(f"demo peak RSS {row['peak_rss_mib']:.0f} MiB (exit {row['exit_status']}, {row.get('wall')}): {row['command']}")
 
@@ -327,7 +368,11 @@ def main() -> None:
         console.print("bandwidth probe")
         report["bandwidth"] = bandwidth_probe()
     for name in args.dtypes.split(","):
-        report["dtypes"][name] = run_dtype(getattr(torch, name), args, report.get("bandwidth"), sections)
+        if sections & {"floor", "decode", "ngram"}:
+            report["dtypes"][name] = run_dtype(getattr(torch, name), args, report.get("bandwidth"), sections)
+    if "head" in sections:
+        console.print("LM-head products by row count")
+        report["head"] = head_products(args.steps)
     if "demo_rss" in sections:
         report["demo_rss"] = demo_peak_rss()
     report["load_average_end"] = os.getloadavg()

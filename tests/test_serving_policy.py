@@ -68,7 +68,8 @@ def test_adaptive_speculates_alone_and_stops_under_heavy_batch_cost():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_adaptive_choice_is_the_best_gamma_vector(seed):
-    """Against an exhaustive search over every gamma vector (0..cap_i per request) of small random batches."""
+    """Against an exhaustive search over every gamma vector (0..cap_i per request) of small random batches:
+    margin 0 finds the best vector; margin m finds one within m of it, and no narrower vector is within m."""
     rng = np.random.default_rng(seed)
     for _ in range(25):
         batch, gamma_max = int(rng.integers(1, 5)), 4
@@ -76,10 +77,33 @@ def test_adaptive_choice_is_the_best_gamma_vector(seed):
         cost = CostModel(ANCHOR_MS, draft_ms={1: draft_1, 16: draft_1 * float(rng.choice([1, 2, 4]))} if draft_1 else {})
         rates = rng.random((batch, gamma_max)).tolist()
         caps = rng.integers(0, gamma_max + 1, batch).tolist()
-        best = max(brute_force_goodput(cost, rates, v) for v in itertools.product(*[range(c + 1) for c in caps]))
-        chosen = AdaptivePolicy(cost, gamma_max=gamma_max).choose(rates, caps)
+        scored = [(brute_force_goodput(cost, rates, v), v) for v in itertools.product(*[range(c + 1) for c in caps])]
+        best = max(goodput for goodput, _ in scored)
+        chosen = AdaptivePolicy(cost, gamma_max=gamma_max, margin=0.0).choose(rates, caps)
         assert all(0 <= g <= c for g, c in zip(chosen, caps))
         assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - 1e-9), (rates, caps, chosen)
+        margin = 0.05
+        chosen = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin).choose(rates, caps)
+        assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - margin) * (1 - 1e-9), (rates, caps, chosen)
+        narrower = [goodput for goodput, v in scored if max(v) < max(chosen)]
+        assert all(goodput < best * (1 - margin) * (1 + 1e-9) for goodput in narrower), (rates, caps, chosen)
+
+
+def test_margin_prefers_the_narrower_of_near_equal_plans():
+    """A flat optimum (batch 16, a high-acceptance profile): strict argmax takes the widest plan by a hair; with
+    the margin the policy takes the narrowest plan within it, and loses at most the margin by its own model."""
+    cost = CostModel({(1, 1): 72, (1, 9): 111, (16, 1): 152, (16, 2): 221, (16, 3): 293, (16, 5): 424, (16, 9): 674,
+                      (1, 2): 91, (1, 3): 91, (1, 5): 98})
+    profile = [0.85, 0.82, 1.0, 0.89, 1.0, 1.0, 1.0, 1.0]
+    strict = AdaptivePolicy(cost, gamma_max=8, margin=0.0)
+    tolerant = AdaptivePolicy(cost, gamma_max=8, margin=0.04)
+    widest = strict.choose([profile] * 16)
+    chosen = tolerant.choose([profile] * 16)
+    assert widest == [8] * 16 and chosen == [chosen[0]] * 16 and 0 < chosen[0] < 8
+    assert tolerant.goodput([profile] * 16, chosen) >= 0.96 * strict.goodput([profile] * 16, widest)
+    assert tolerant.choose([profile]) == strict.choose([profile]) == [8]  # batch 1: gamma 8 wins clearly
+    with pytest.raises(ValueError, match="margin=0.5"):
+        AdaptivePolicy(cost, margin=0.5)
 
 
 def test_adaptive_gives_drafts_per_request():
@@ -93,7 +117,7 @@ def test_adaptive_gives_drafts_per_request():
     shared = max(policy.goodput(alphas, g) for g in range(9))
     assert policy.goodput(alphas, gammas) > shared * 1.01
     # free lookup drafts: once the width is paid for, every request with drafts available uses them
-    lookup = AdaptivePolicy(CostModel(ANCHOR_MS), gamma_max=8)
+    lookup = AdaptivePolicy(CostModel(ANCHOR_MS), gamma_max=8, margin=0.0)
     gammas = lookup.choose([0.9, 0.9, 0.3], caps=[8, 1, 8])
     assert max(gammas) > 1 and gammas == [min(cap, max(gammas)) for cap in (8, 1, 8)]
     assert lookup.choose([0.9, 0.9], caps=[0, 3]) == [0, 3]  # cap 0: no n-gram match for that request
@@ -168,3 +192,33 @@ def test_monotone_removes_timing_noise_from_the_grid():
     noisy = CostModel({(1, 1): 70, (1, 5): 60, (2, 1): 65, (2, 5): 120}, draft_ms={1: 9.0, 2: 7.0})
     clean = monotone(noisy)
     assert clean.target_ms == {(1, 1): 70, (1, 5): 70, (2, 1): 70, (2, 5): 120} and clean.draft_ms == {1: 9.0, 2: 9.0}
+
+
+def test_live_correction_learns_the_shape_the_calibration_missed():
+    """The calibration says 9 tokens at batch 1 cost 111 ms; the steps actually run cost 190 ms (and the others as
+    calibrated). Fed those measurements, the model converges on them and the policy drops from its long drafts to
+    narrower ones; with live_rate 0 nothing moves."""
+    grid = {(1, 1): 72.0, (1, 2): 91.0, (1, 3): 91.0, (1, 5): 98.0, (1, 9): 111.0}
+    profile = [0.8] * 8
+    frozen = CostModel(dict(grid), live_rate=0.0)
+    live = CostModel(dict(grid))
+    policy = AdaptivePolicy(live, gamma_max=8)
+    before = policy.choose([profile])[0]
+    assert before >= 6
+    true_ms = {**grid, (1, 9): 190.0}
+    for _ in range(60):
+        for tokens, ms in true_ms.items():
+            live.observe(1, tokens[1], ms)
+            frozen.observe(1, tokens[1], ms)
+    assert live.target_step_ms(1, 9) == pytest.approx(190.0, rel=0.03) and live.target_step_ms(1, 5) == pytest.approx(98.0, rel=0.03)
+    assert frozen.target_step_ms(1, 9) == 111.0 and frozen.observations == 0 and live.observations == 300
+    assert 0 < policy.choose([profile])[0] < before  # the cached prices were refreshed after the observations
+    # a step between grid points moves both neighbours by their interpolation weights; outside the grid, the end
+    between = CostModel(dict(grid))
+    between.observe(1, 4, 2 * between.target_step_ms(1, 4))
+    assert between.correction[(1, 3)] == pytest.approx(between.correction[(1, 5)]) and between.correction[(1, 3)] > 1.0
+    assert between.correction[(1, 9)] == 1.0
+    between.observe(4, 12, 1e9)
+    assert between.correction[(1, 9)] > 1.0
+    with pytest.raises(ValueError, match="live_rate=2"):
+        CostModel(dict(grid), live_rate=2)

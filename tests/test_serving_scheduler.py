@@ -264,3 +264,33 @@ def test_lookup_proposals_are_scored_beyond_the_verified_drafts(tiny_target):
     request.tokens += [3]  # the request ends with the proposal partly known: score what is known
     scheduler._score_proposals(request, state, final=True)
     assert state["proposals"] == [] and stats.tested[0] == pytest.approx(1.8 * 0.8 + 1)
+
+
+def test_trace_records_every_decode_step(tiny_target):
+    """scheduler.trace (for benchmarks): one record per decode step; the tokens it counts are exactly the tokens
+    the requests got, the batch never exceeds the slots, the width never exceeds the policy's gamma."""
+    scheduler = Scheduler(tiny_target, draft="ngram", policy=FixedPolicy(3), num_slots=2, max_seq_len=96)
+    scheduler.trace = []
+    requests = [scheduler.submit(Request(p, GREEDY, max_tokens=12 + i, ignore_eos=True)) for i, p in enumerate(make_prompts(3))]
+    scheduler.run_until_idle()
+    trace = scheduler.trace
+    assert sum(t["emitted"] for t in trace) == sum(len(r.tokens) for r in requests) == 12 + 13 + 14
+    assert {t["batch"] for t in trace} <= {1, 2} and max(t["batch"] for t in trace) == 2
+    assert all(0 <= t["width"] <= 3 and t["drafted"] <= 3 * t["batch"] for t in trace) and any(t["width"] > 0 for t in trace)
+    assert all(t["step_ms"] >= t["forward_ms"] > 0 and t["draft_ms"] == 0.0 for t in trace)
+    assert [t["end_s"] for t in trace] == sorted(t["end_s"] for t in trace)
+
+
+def test_adaptive_cost_model_learns_from_every_decode_step(tiny_target):
+    """The scheduler reports each decode step's measured target time to the policy: the adaptive cost model folds
+    in one observation per step and its grid moves away from a deliberately wrong calibration (1000 s a step)."""
+    from specgate.serving import AdaptivePolicy, CostModel
+
+    wrong = CostModel({(b, t): 1e6 for b in (1, 4) for t in (1, 9)})
+    scheduler = Scheduler(tiny_target, draft="ngram", policy=AdaptivePolicy(wrong, gamma_max=8), num_slots=2, max_seq_len=96)
+    scheduler.trace = []
+    for prompt in make_prompts(2):
+        scheduler.submit(Request(prompt, GREEDY, max_tokens=10, ignore_eos=True))
+    scheduler.run_until_idle()
+    assert wrong.observations == len(scheduler.trace) > 0
+    assert all(factor < 1.0 for (batch, _), factor in wrong.correction.items() if batch == 1)

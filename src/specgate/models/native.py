@@ -2,12 +2,13 @@
 rows (R <= SKINNY_MAX_ROWS), W read from memory once, split over the machine's cores.
 
 Why: Gemma-3-270M's tied head (262,144 x 640 float32, 671 MB) is read in full every step. For one row oneDNN
-streams it at the machine's bandwidth (~25 ms on the 2-core VM), but for 2-9 rows both oneDNN and MKL cost
-2.5-3x that (61-77 ms): their small-M GEMM does not keep the head's rows in cache across the rows of x. Verifying
+streams it at about the machine's bandwidth (~29 ms on the 2-core VM), but for 2-9 rows oneDNN costs 1.8-2.7x
+that and MKL 4-7x: their small-M GEMM does not keep the head's rows in cache across the rows of x. Verifying
 gamma drafted tokens is exactly such a product, so the head made a 5-token verification ~1.8x a 1-token step and
 ate most of what speculation saves. This kernel loads 4 rows of W into registers and multiplies them by up to 3
-rows of x at a time (12 AVX2 FMA accumulators), so W is read from memory once whatever R is: 25 / 32 / 42 / 51 ms
-for 1 / 2 / 5 / 9 rows, against oneDNN's 26 / 62 / 63 / 77 (bench/bench_perf.py, docs/BENCHMARKS.md).
+rows of x at a time (12 AVX2 FMA accumulators), so W is read from memory once whatever R is: 29 / 34 / 41 / 54 /
+83 ms for 1 / 2 / 5 / 9 / 20 rows, against oneDNN's 29 / 52 / 59 / 78 / 102 (`bench/bench_perf.py --sections
+head`, docs/BENCHMARKS.md, Performance).
 
 Every output element is the same sequence of 8-lane FMAs over k followed by the same horizontal sum, whichever
 R, row block or thread computes it: a token's logits do not depend on how many tokens are scored with it
@@ -38,7 +39,7 @@ from torch import Tensor
 
 from specgate.models.dtypes import cpu_flags
 
-SKINNY_MAX_ROWS = 12  # measured crossover with oneDNN between 14 and 16 rows (compute-bound past ~9): a margin
+SKINNY_MAX_ROWS = 20  # measured faster than oneDNN at every row count up to 20 (bench: 84 vs 96 ms at 20 rows)
 SKINNY_MIN_ELEMENTS = 1 << 24  # weights of >= 16M elements (an LM head): smaller ones do not repay the thread hand-off
 
 SOURCE = r"""

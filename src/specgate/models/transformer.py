@@ -170,7 +170,7 @@ ONEDNN_LINEAR = _onednn_linear_available()
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [..., K] times weight [N, K] transposed (+ bias [N]) -> [..., N], like F.linear, faster on CPU.
 
-    - float32 on CPU, an LM head (>= 16M elements) times 1..12 rows: specgate.models.native's C kernel, which reads
+    - float32 on CPU, an LM head (>= 16M elements) times 1..20 rows: specgate.models.native's C kernel, which reads
       the head once for all rows (oneDNN and MKL cost 2.5-3x a 1-row product for 2-9 rows).
     - other float32 on CPU: oneDNN's inner-product primitive (torch.ops.mkldnn._linear_pointwise, the op inductor
       emits for a linear, on the plain strided weight). F.linear goes to MKL, whose matrix-vector product runs
@@ -188,7 +188,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return F.linear(x, weight, bias)
     if weight.dtype == torch.float32:
-        if native.applies(x, weight):  # the LM head for 1..12 rows: read once (see specgate.models.native)
+        if native.applies(x, weight):  # the LM head for 1..20 rows: read once (see specgate.models.native)
             out = native.skinny_linear(x.reshape(rows, x.shape[-1]), weight)  # [R, N]
             if bias is not None:
                 out = out + bias

@@ -20,6 +20,13 @@ expected extra tokens at min(cap_i, W) drafts get that many, the others 0", plus
 best (ties go to fewer drafts). With free lookup drafts a request drafts whenever the width is paid for anyway;
 with a draft model, a request whose drafts are rarely accepted is dropped when its rows in the draft passes
 cost more than its expected extra tokens are worth.
+
+Robustness. Of the best plans per width, the NARROWEST within `margin` (4%) of the best predicted goodput runs
+(AdaptivePolicy): the optimum is flat and the predictions are not that precise, so near-ties go to the shorter,
+cheaper step, and the width does not flip on estimate noise. The cost model is calibrated at start and then
+corrected by every target step the scheduler runs (CostModel.observe), because the calibration's timing
+conditions are not the serving ones (a busy machine at start, another thread, contention that slows wide verify
+passes most).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import numpy as np
 POLICY_NAMES = ("adaptive", "fixed", "table", "off")
 CALIBRATION_BATCH_SIZES = (1, 2, 4, 8, 16)
 DEFAULT_GAMMA_MAX = 8
+DEFAULT_LIVE_RATE = 0.1  # weight of one measured step in the cost model's live correction (CostModel.observe)
+DEFAULT_MARGIN = 0.04  # adaptive: plans within 4% of the best predicted goodput count as ties (AdaptivePolicy)
 Acceptance = float | Sequence[float] | None  # one alpha, conditional rates per position, or unknown
 
 
@@ -57,6 +66,9 @@ class SpeculationPolicy(ABC):
     @abstractmethod
     def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
         """One gamma (>= 0) per running request; the scheduler clips each to caps[i] anyway."""
+
+    def observe_step(self, batch: int, tokens_per_row: int, target_ms: float) -> None:
+        """A measured target step (forward + verification of `batch` rows x `tokens_per_row`); most policies ignore it."""
 
     def describe(self) -> dict:
         return {"policy": self.name}
@@ -139,25 +151,39 @@ class TablePolicy(SpeculationPolicy):
 
 @dataclass
 class CostModel:
-    """Predicted step times in ms, interpolated from measurements.
+    """Predicted step times in ms, interpolated from measurements, corrected live by the steps actually run.
 
-    target_ms[(batch, tokens_per_row)]: one target forward of `batch` rows of `tokens_per_row` tokens each;
-    draft_ms[batch]: one draft forward of `batch` rows of one token (a step's k-th draft pass runs over the rows
-    drafting >= k tokens; empty for lookup drafters, whose cost is negligible). Between measured points the time
-    is linear in tokens per row and piecewise linear in batch size (extrapolated from the last segment).
+    target_ms[(batch, tokens_per_row)]: one target forward of `batch` rows of `tokens_per_row` tokens each (with
+    the step's passes over its logits); draft_ms[batch]: one draft forward of `batch` rows of one token (a step's
+    k-th draft pass runs over the rows drafting >= k tokens; empty for lookup drafters, whose cost is negligible).
+    Between grid points the time is linear in tokens per row and piecewise linear in batch size (extrapolated
+    from the last segment).
+
+    Live correction (`observe`): each grid point carries a factor, measured / calibrated, that the scheduler's
+    measured target steps move (in log space, by `live_rate` times the point's interpolation weight). The start-up
+    calibration prices the grid at its fastest samples on a machine that may be busy then and quiet later (or
+    the reverse), and contention does not slow every shape alike (measured: 9-token steps at batch 1 cost 1.3x
+    5-token steps while serving, 1.1x in a calibration), so the shape the policy acts on must come from the steps
+    it runs. A calibration that flatters a shape gets the policy to use it, which corrects it; live_rate 0 keeps
+    the calibration as it is.
     """
 
     target_ms: dict[tuple[int, int], float]
     draft_ms: dict[int, float] = field(default_factory=dict)
+    live_rate: float = DEFAULT_LIVE_RATE
 
     def __post_init__(self) -> None:
         if not self.target_ms:
             raise ValueError("target_ms is empty: the cost model needs at least one measured (batch, tokens) time")
+        if not 0.0 <= self.live_rate <= 1.0:
+            raise ValueError(f"live_rate={self.live_rate} is out of range [0, 1] (0 = keep the calibration, no live correction)")
         self.batches = sorted({b for b, _ in self.target_ms})
         self.tokens = sorted({t for _, t in self.target_ms})
         missing = [(b, t) for b in self.batches for t in self.tokens if (b, t) not in self.target_ms]
         if missing:
             raise ValueError(f"target_ms misses grid points {missing}: measure every (batch, tokens) pair")
+        self.correction = {point: 1.0 for point in self.target_ms}  # live factor per grid point
+        self.observations = 0  # measured steps folded in (cached predictions are stale when it changes)
 
     @staticmethod
     def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -172,9 +198,31 @@ class CostModel:
         x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
         return float(max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-6))
 
+    @staticmethod
+    def _weights(x: float, xs: Sequence[int]) -> list[tuple[int, float]]:
+        """The grid points around x and their interpolation weights (the nearest end outside the grid)."""
+        if x <= xs[0] or len(xs) == 1:
+            return [(xs[0], 1.0)]
+        if x >= xs[-1]:
+            return [(xs[-1], 1.0)]
+        i = int(np.searchsorted(xs, x)) - 1
+        upper = (x - xs[i]) / (xs[i + 1] - xs[i])
+        return [(xs[i], 1.0 - upper), (xs[i + 1], upper)]
+
     def target_step_ms(self, batch: int, tokens_per_row: int) -> float:
-        by_batch = [self._interp(tokens_per_row, self.tokens, [self.target_ms[(b, t)] for t in self.tokens]) for b in self.batches]
+        grid = {point: ms * self.correction[point] for point, ms in self.target_ms.items()}
+        by_batch = [self._interp(tokens_per_row, self.tokens, [grid[(b, t)] for t in self.tokens]) for b in self.batches]
         return self._interp(batch, self.batches, by_batch)
+
+    def observe(self, batch: int, tokens_per_row: int, measured_ms: float) -> None:
+        """One target step measured while serving: move the grid points around it towards measured / predicted."""
+        if self.live_rate == 0.0 or not measured_ms > 0.0 or not np.isfinite(measured_ms):
+            return
+        error = float(np.log(measured_ms / self.target_step_ms(batch, tokens_per_row)))
+        for b, batch_weight in self._weights(batch, self.batches):
+            for t, token_weight in self._weights(tokens_per_row, self.tokens):
+                self.correction[(b, t)] *= float(np.exp(self.live_rate * batch_weight * token_weight * error))
+        self.observations += 1
 
     def draft_step_ms(self, batch: int) -> float:
         if not self.draft_ms:
@@ -190,6 +238,8 @@ class CostModel:
         return {
             "target_ms": [[b, t, round(ms, 3)] for (b, t), ms in sorted(self.target_ms.items())],
             "draft_ms": [[b, round(ms, 3)] for b, ms in sorted(self.draft_ms.items())],
+            "live_rate": self.live_rate, "observations": self.observations,
+            "live_correction": [[b, t, round(f, 3)] for (b, t), f in sorted(self.correction.items())],
         }
 
 
@@ -198,16 +248,29 @@ class AdaptivePolicy(SpeculationPolicy):
 
     See the module docstring for the search. prior_alpha: the flat acceptance used for a request with no
     estimate (the scheduler passes per-position profiles that already blend in the traffic's estimate).
+    margin: the conservative tie-break. Plans whose predicted goodput is within `margin` (a fraction) of the
+    best are treated as equal, and the narrowest of them (fewest tokens per row, then fewest draft tokens) runs.
+    Why: the predictions carry errors larger than the differences the argmax would act on (the cost grid's
+    shape moved by up to ~20% between a quiet and a contended calibration on the 2-core VM, and wide verify
+    passes suffer most from contention), and near the optimum the goodput curve is flat (Gemma at batch 16:
+    gamma 3, 4 and 8 within 4% of each other). The narrower plan is the one that loses less when the model is
+    optimistic, has the shorter step (ITL), and wastes less compute; when the model is right it costs at most
+    `margin` of goodput. It also stops the choice from flipping between near-equal widths from step to step.
     """
 
     name = "adaptive"
 
-    def __init__(self, cost_model: CostModel, gamma_max: int = DEFAULT_GAMMA_MAX, prior_alpha: float = 0.5) -> None:
+    def __init__(self, cost_model: CostModel, gamma_max: int = DEFAULT_GAMMA_MAX, prior_alpha: float = 0.5, margin: float = DEFAULT_MARGIN) -> None:
         self.cost_model = cost_model
         self.gamma_max = _check_gamma(gamma_max, "gamma_max")
         if not 0.0 <= prior_alpha <= 1.0:
             raise ValueError(f"prior_alpha={prior_alpha} is out of range [0, 1]")
+        if not 0.0 <= margin < 0.5:
+            raise ValueError(f"margin={margin} is out of range [0, 0.5): the fraction of the best goodput treated as a tie (0 = strict argmax)")
         self.prior_alpha = prior_alpha
+        self.margin = margin
+        self._costs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch -> (target_ms [G+1], draft_ms [B+1])
+        self._costs_at = cost_model.observations
 
     @property
     def max_gamma(self) -> int:
@@ -225,17 +288,25 @@ class AdaptivePolicy(SpeculationPolicy):
                 rows[i, profile.size :] = profile[-1] if profile.size else self.prior_alpha
         return np.clip(rows, 0.0, 1.0)
 
-    def plan(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> tuple[list[int], float]:
-        """The best gamma per request and its expected goodput (tokens per ms)."""
+    def costs(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted ms for one batch size (computed once): target pass by width [G+1], draft pass by rows [B+1]."""
+        if self._costs_at != self.cost_model.observations:  # the live correction moved: price again
+            self._costs, self._costs_at = {}, self.cost_model.observations
+        if batch not in self._costs:
+            target_ms = np.array([self.cost_model.target_step_ms(batch, w + 1) for w in range(self.gamma_max + 1)])  # [G+1]
+            draft_ms = np.array([0.0] + [self.cost_model.draft_step_ms(b) for b in range(1, batch + 1)])  # [B+1]
+            self._costs[batch] = (target_ms, draft_ms)
+        return self._costs[batch]
+
+    def candidates(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[tuple[float, np.ndarray]]:
+        """The best plan of every width (k requests drafting, see the module docstring), "everyone 0" first:
+        [(expected goodput in tokens per ms, gammas [B]), ...] in increasing width."""
         batch = len(acceptance)
-        if batch == 0:
-            return [], 0.0
         limit = np.full(batch, self.gamma_max) if caps is None else np.clip(np.asarray(caps, dtype=int), 0, self.gamma_max)  # [B]
         gain = np.zeros((batch, self.gamma_max + 1))  # [B, G+1]: expected accepted drafts with g drafts
         gain[:, 1:] = np.cumsum(np.cumprod(self.rates(acceptance), axis=1), axis=1)
-        target_ms = np.array([self.cost_model.target_step_ms(batch, w + 1) for w in range(self.gamma_max + 1)])  # [G+1]
-        draft_ms = np.array([0.0] + [self.cost_model.draft_step_ms(b) for b in range(1, batch + 1)])  # [B+1]
-        best_gammas, best_goodput = np.zeros(batch, dtype=int), batch / target_ms[0]
+        target_ms, draft_ms = self.costs(batch)
+        plans = [(batch / target_ms[0], np.zeros(batch, dtype=int))]
         for width in range(1, min(self.gamma_max, int(limit.max())) + 1):
             gammas = np.minimum(limit, width)  # [B]
             value = gain[np.arange(batch), gammas]  # [B] expected extra tokens
@@ -246,11 +317,23 @@ class AdaptivePolicy(SpeculationPolicy):
             cost_ms = draft_ms[drafting].sum(axis=1) + target_ms[np.maximum.accumulate(ranked)]  # [B]
             goodput = (batch + np.cumsum(value[order])) / cost_ms  # [B]
             k = int(np.argmax(goodput))
-            if goodput[k] > best_goodput * (1 + 1e-9):
-                best_goodput = float(goodput[k])
-                best_gammas = np.zeros(batch, dtype=int)
-                best_gammas[order[: k + 1]] = ranked[: k + 1]
-        return best_gammas.tolist(), float(best_goodput)
+            chosen = np.zeros(batch, dtype=int)
+            chosen[order[: k + 1]] = ranked[: k + 1]
+            plans.append((float(goodput[k]), chosen))
+        return plans
+
+    def plan(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> tuple[list[int], float]:
+        """The chosen gamma per request and its expected goodput (tokens per ms): the narrowest plan within
+        `margin` of the best (margin 0: the best; ties go to fewer drafts)."""
+        if not acceptance:
+            return [], 0.0
+        plans = self.candidates(acceptance, caps)
+        best = max(goodput for goodput, _ in plans)
+        goodput, gammas = min(
+            (p for p in plans if p[0] >= best * (1 - self.margin) * (1 - 1e-9)),
+            key=lambda p: (int(p[1].max()), int(p[1].sum())),
+        )
+        return gammas.tolist(), float(goodput)
 
     def goodput(self, acceptance: Sequence[Acceptance], gammas: Sequence[int] | int) -> float:
         """Expected emitted tokens per ms of one step with these gammas (one int = the same for every request)."""
@@ -265,8 +348,14 @@ class AdaptivePolicy(SpeculationPolicy):
     def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
         return self.plan(acceptance, caps)[0]
 
+    def observe_step(self, batch: int, tokens_per_row: int, target_ms: float) -> None:
+        self.cost_model.observe(batch, tokens_per_row, target_ms)
+
     def describe(self) -> dict:
-        return {"policy": self.name, "gamma_max": self.gamma_max, "prior_alpha": self.prior_alpha, "cost_model": self.cost_model.to_dict()}
+        return {
+            "policy": self.name, "gamma_max": self.gamma_max, "prior_alpha": self.prior_alpha, "margin": self.margin,
+            "cost_model": self.cost_model.to_dict(),
+        }
 
 
 def time_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -333,7 +422,8 @@ def calibrate_cost_model(
                 positions = torch.arange(context_len, context_len + tokens)[None].expand(batch, -1)  # [B, T]
                 start = time.perf_counter()
                 logits = model.forward(step_ids, positions, caches[role], torch.arange(batch))  # [B, T, V]
-                logits.max(dim=-1)  # the step's passes over the logits (NaN check, verification) scale with B x T too
+                if role == "target":  # the step's passes over the logits scale with B x T too: NaN check, greedy verify
+                    logits.amax(dim=-1), logits.argmax(dim=-1)
                 if sweep:
                     samples[(role, batch, tokens)].append((time.perf_counter() - start) * 1e3)
     target_ms = {(b, t): min(times) for (role, b, t), times in samples.items() if role == "target"}
@@ -357,7 +447,7 @@ def monotone(cost: CostModel) -> CostModel:
     for batch in sorted(cost.draft_ms):
         running = max(running, cost.draft_ms[batch])
         draft_ms[batch] = running
-    return CostModel(target_ms=target_ms, draft_ms=draft_ms)
+    return CostModel(target_ms=target_ms, draft_ms=draft_ms, live_rate=cost.live_rate)
 
 
 def make_policy(name: str, *, gamma: int = 4, table: str | None = None, cost_model: CostModel | None = None) -> SpeculationPolicy:

@@ -16,7 +16,8 @@ then decoded step by step while other requests join and leave between steps. One
      absolute positions (-1 pads shorter rows). A row whose logits are not finite (NaN/inf) fails its request
      alone (finish_reason "error", Request.error says why); the other rows go on in the same step.
   5. verify: one `greedy_verify` (every row greedy) or one `rejection_sample` / `verify` call for the whole
-     batch, with one torch.Generator per request (seeded from the request's seed, like engine.generate).
+     batch, with one torch.Generator per request (seeded from the request's seed, like engine.generate). The
+     time from the forward to here goes to policy.observe_step (the adaptive cost model corrects itself live).
   6. commit: EOS, stop strings (engine's OutputText semantics) and max_tokens end a request; its slot is freed
      at once, so a waiting request can take it at the next step.
 
@@ -307,6 +308,7 @@ class Scheduler:
         self.last_error: BaseException | None = None
         self.traffic_acceptance = AcceptanceStats(TRAFFIC_DECAY)  # every request's evidence: a new request's prior
         self.last_prefill_tokens = 0  # prompt tokens prefilled by the latest step (<= prefill_chunk_tokens)
+        self.trace: list[dict] | None = None  # set to [] to record one dict per decode step (see _decode_step)
 
     # ------------------------------------------------------------------ requests (any thread)
     def validate(self, request: Request) -> None:
@@ -538,6 +540,7 @@ class Scheduler:
         return [([], []) for _ in running]
 
     def _decode_step(self, running: list[Request]) -> None:
+        step_start = time.perf_counter()
         states = [self._state[r.request_id] for r in running]
         # 2. policy: per-request gamma, capped by the remaining budget and (lookups) by the drafts available
         budgets = [r.max_tokens - len(r.tokens) - 1 for r in running]  # drafts past it could never be emitted
@@ -547,7 +550,9 @@ class Scheduler:
         gammas = self.policy.choose([r.acceptance_stats.profile(prior) for r in running], caps)
         gammas = [max(0, min(int(g), cap)) for g, cap in zip(gammas, caps)]
         # 3. drafts; every lookup proposal is kept to be scored against the output (see the module comment)
+        draft_start = time.perf_counter()
         drafts = self._drafts(running, states, gammas, lookups)
+        draft_s = time.perf_counter() - draft_start if self.model_drafter is not None else 0.0
         for request, state, proposal in zip(running, states, lookups or []):
             if proposal:
                 state["proposals"].append((len(request.tokens), proposal))
@@ -565,7 +570,9 @@ class Scheduler:
             draft_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
             positions[row, : 1 + len(tokens)] = torch.arange(length - 1, length + len(tokens))
         slots = torch.tensor([r.slot for r in running], dtype=torch.int64)  # [B]
+        forward_start = time.perf_counter()
         target_logits = self.target.model.forward(ids, positions, self.cache, slots)  # [B, G+1, V]
+        forward_s = time.perf_counter() - forward_start
         keep = self._fail_non_finite(running, target_logits, positions)
         if len(keep) < batch:
             if not keep:
@@ -576,17 +583,27 @@ class Scheduler:
             draft_tokens, target_logits = draft_tokens[index], target_logits[index]
         # 5. one batched verification with per-request generators
         result = self._verify(running, states, drafts, draft_tokens, torch.tensor(num_drafts), target_logits)
+        self.policy.observe_step(batch, width + 1, 1e3 * (time.perf_counter() - forward_start))  # the adaptive cost model learns
         # 6. commit
         now = time.perf_counter()
         step_stats = {"num_drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_position": [0] * width}
+        committed = 0
         for row, request in enumerate(running):
             accepted = int(result.num_accepted[row])
             emitted = result.output_tokens[row, : accepted + 1].tolist()
             self._record(request, gammas[row], num_drafts[row], accepted, step_stats)
+            before = len(request.tokens)
             self._commit(request, states[row], emitted, now)
+            committed += len(request.tokens) - before
         if self.metrics is not None:
             self.metrics.on_step(step_stats, lossless=bool(result.lossless))
         self._update_gauges()
+        if self.trace is not None:  # one record per decode step, for benchmarks (times in ms)
+            self.trace.append({
+                "end_s": now, "batch": batch, "width": width, "drafted": sum(num_drafts),
+                "emitted": committed, "step_ms": 1e3 * (time.perf_counter() - step_start),
+                "forward_ms": 1e3 * forward_s, "draft_ms": 1e3 * draft_s, "prefill_tokens": self.last_prefill_tokens,
+            })
 
     def _fail_non_finite(self, running: list[Request], target_logits: Tensor, positions: Tensor) -> list[int]:
         """Finish with "error" every request whose scored rows hold NaN/inf logits; the rows to keep.
