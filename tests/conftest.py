@@ -165,3 +165,18 @@ def recipe_draft_info(target, d2t: torch.Tensor) -> dict:
         "draft_vocab_sha256": vocab_fingerprint(target.tokenizer.convert_ids_to_tokens(d2t.tolist())),
         "recipe": "test",
     }
+
+
+def read_json_object(proc) -> dict:
+    """The first JSON object a subprocess prints on stdout (possibly over several lines), e.g. `serve --json`."""
+    import json
+
+    text = ""
+    while True:
+        line = proc.stdout.readline()
+        assert line, f"serve exited early: {proc.stderr.read()}"
+        text += line
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            continue

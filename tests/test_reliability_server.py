@@ -28,6 +28,8 @@ from specgate.models import load_model
 from specgate.sampling import SamplingParams
 from specgate.serving.server import ServerConfig, start_server
 
+from conftest import read_json_object
+
 PROMPT = "def generate(prompt, max_new_tokens=16):\n    tokens = tokenize(prompt)\n    for step in range(max_new_tokens):"
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -249,16 +251,7 @@ def test_sigterm_drains_the_in_flight_stream_refuses_new_requests_and_exits_0(ti
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     key = {"Authorization": "Bearer t0ken"}
     try:
-        text = ""
-        while True:  # the --json object, printed once listening
-            line = proc.stdout.readline()
-            assert line, f"serve exited early: {proc.stderr.read()}"
-            text += line
-            try:
-                info = json.loads(text)
-                break
-            except json.JSONDecodeError:
-                continue
+        info = read_json_object(proc)  # the --json object, printed once listening
         url = info["url"]
         assert info["host"] == "127.0.0.1"  # loopback unless --host says otherwise
         assert_error(httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10), 401, code="invalid_api_key")

@@ -20,6 +20,8 @@ from specgate.serving import FixedPolicy, Request, Scheduler
 from specgate.serving.policy import calibration_tokens
 from specgate.serving.server import ServerConfig, start_server
 
+from conftest import read_json_object
+
 PROMPT = "def generate(prompt, max_new_tokens=16):\n    tokens = tokenize(prompt)\n    for step in range(max_new_tokens):"
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 
@@ -233,7 +235,6 @@ main.main(sys.argv[1:])
 
 def test_serve_command_end_to_end_with_adaptive_policy(tiny_path):
     """`specgate serve --port 0 --json` in a subprocess: calibrates, prints where it listens, answers, stops on SIGINT."""
-    import json
     import signal
     import subprocess
     import sys
@@ -241,16 +242,7 @@ def test_serve_command_end_to_end_with_adaptive_policy(tiny_path):
     args = ["serve", "--target", tiny_path, "--draft", "ngram", "--port", "0", "--policy", "adaptive", "--gamma", "4", "--json"]
     proc = subprocess.Popen([sys.executable, "-c", CLI_SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        text = ""
-        while True:
-            line = proc.stdout.readline()
-            assert line, f"serve exited early: {proc.stderr.read()}"
-            text += line
-            try:
-                info = json.loads(text)
-                break
-            except json.JSONDecodeError:
-                continue
+        info = read_json_object(proc)  # the --json object, printed once listening
         assert info["host"] == "127.0.0.1" and info["port"] > 0 and info["policy"]["policy"] == "adaptive"
         assert {tuple(row[:2]) for row in info["policy"]["cost_model"]["target_ms"]} == {(b, t) for b in (1, 2, 4, 8, 16) for t in calibration_tokens(4)}
         _wait_for(lambda: _healthy(info["url"]))

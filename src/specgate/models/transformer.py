@@ -282,16 +282,15 @@ class FusedLinears:
             if has_bias:
                 layer.bias.data = self.bias[offset : offset + size]
             offset += size
+        # where each layer's weight and bias must start for the aliasing to hold (the fused tensors never move)
+        self._expected = [(layer.weight.data_ptr(), layer.bias.data_ptr() if has_bias else None) for layer in layers]
 
     def _aliased(self) -> bool:
-        offset = 0
-        for layer, size in zip(self.layers, self.sizes):
-            weight = layer.weight
-            if weight.data_ptr() != self.weight[offset].data_ptr() or weight.shape != (size, self.weight.shape[1]):
+        for layer, size, (weight_ptr, bias_ptr) in zip(self.layers, self.sizes, self._expected):
+            if layer.weight.data_ptr() != weight_ptr or layer.weight.shape != (size, self.weight.shape[1]):
                 return False
-            if self.bias is not None and (layer.bias is None or layer.bias.data_ptr() != self.bias[offset:].data_ptr()):
+            if bias_ptr is not None and (layer.bias is None or layer.bias.data_ptr() != bias_ptr):
                 return False
-            offset += size
         return True
 
     def get(self) -> tuple[Tensor, Tensor | None] | None:
