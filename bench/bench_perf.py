@@ -18,6 +18,10 @@ Sections (all but demo_rss run by default; pick with --sections):
 - head: the LM-head product alone (a float32 262,144 x 640 weight, Gemma-3-270M's shape) times R = 1..20 rows, by
   each formulation the runtime could use: F.linear (MKL), oneDNN's inner product, specgate's native kernel
   (specgate.models.native); median ms of --steps calls per R, the three interleaved (not with --dtypes: float32).
+- layers: Gemma-3-270M's 18 layers' products (fused q/k/v 1536 x 640, o 640 x 1024, fused gate/up 4096 x 640, down
+  640 x 2048, float32, 18 distinct copies of each so that every product reads its weight from memory as a decode
+  step does) times R = 1..64 rows, oneDNN's inner product vs the native kernel: median ms of --steps sweeps of all
+  72 products (not with --dtypes: float32).
 - demo_rss: peak resident memory of each command of `make demo` (read from the Makefile; /usr/bin/time -v,
   else getrusage).
 
@@ -28,6 +32,7 @@ bench/bench_perf.py [--dtypes float32,bfloat16] [--max-new-tokens 64] [--gamma 8
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -66,8 +71,10 @@ def demo_commands() -> list[str]:
             commands.append(line.strip().replace("$(VENV)", ".venv"))
     return commands
 
-SECTIONS = ("bandwidth", "floor", "decode", "ngram", "head", "demo_rss")
+SECTIONS = ("bandwidth", "floor", "decode", "ngram", "head", "layers", "demo_rss")
 HEAD_ROWS = (1, 2, 3, 5, 9, 12, 16, 20)
+LAYER_ROWS = (1, 2, 5, 9, 16, 32, 64)
+LAYER_SHAPES = {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048)}  # [N, K]
 console = Console(stderr=True)
 
 
@@ -109,18 +116,55 @@ def head_products(steps: int) -> list[dict[str, Any]]:
     return rows_out
 
 
+def layer_products(steps: int, num_layers: int = 18) -> list[dict[str, Any]]:
+    """Median ms of one step's layer products (num_layers copies of each shape) per row count and formulation."""
+    from specgate.models import native
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=generator) for _ in range(num_layers) for n, k in LAYER_SHAPES.values()]
+    lanes = {"onednn_ms": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")}
+    if native.available():
+        lanes["native_ms"] = native.skinny_linear
+    rows_out = []
+    with torch.inference_mode(), Progress(console=console, transient=True) as progress:
+        task = progress.add_task("layer products", total=len(LAYER_ROWS))
+        for rows in LAYER_ROWS:
+            inputs = {k: torch.randn(rows, k, generator=generator) for k in {k for _, k in LAYER_SHAPES.values()}}  # [R, K]
+            sweep = {name: (lambda fn=fn: [fn(inputs[w.shape[1]], w) for w in weights]) for name, fn in lanes.items()}
+            times: dict[str, list[float]] = {name: [] for name in lanes}
+            for fn in sweep.values():
+                fn()  # warm-up
+            for _ in range(steps):
+                for name, fn in sweep.items():
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+            rows_out.append({"rows": rows, **{name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}})
+            progress.advance(task)
+    return rows_out
+
+
 # --- bandwidth and the floor ------------------------------------------------------------------------------------
 
 
 def bandwidth_probe(megabytes: int = 512, repeats: int = 7) -> dict[str, float]:
-    """Read GB/s (sum of a float32 tensor) and copy GB/s (bytes read + written) over `megabytes` MB."""
+    """Read GB/s and copy GB/s (bytes read + written) over `megabytes` MB. Read: the faster of torch's sum and a
+    plain AVX2 streaming sum on torch's threads (specgate.models.native.read_sum); torch's sum alone reads
+    ~20-30% below what the machine delivers here, which would put the floor too high (too easy to meet)."""
+    from specgate.models import native
+
     source = torch.ones(megabytes * (1 << 20) // 4)  # [N] float32
     target = torch.empty_like(source)
     source.sum(), target.copy_(source)  # touch every page before timing
-    read_s = median_s(lambda: source.sum(), repeats)
-    copy_s = median_s(lambda: target.copy_(source), repeats)
     nbytes = source.numel() * 4
-    return {"megabytes": megabytes, "read_gb_s": nbytes / read_s / 1e9, "copy_gb_s": 2 * nbytes / copy_s / 1e9}
+    torch_read_gb_s = nbytes / median_s(lambda: source.sum(), repeats) / 1e9
+    out = {"megabytes": megabytes, "torch_sum_read_gb_s": torch_read_gb_s, "read_gb_s": torch_read_gb_s}
+    if native.available():
+        native.read_sum(source)
+        out["native_read_gb_s"] = nbytes / median_s(lambda: native.read_sum(source), repeats) / 1e9
+        out["read_gb_s"] = max(torch_read_gb_s, out["native_read_gb_s"])
+    out["copy_gb_s"] = 2 * nbytes / median_s(lambda: target.copy_(source), repeats) / 1e9
+    return out
 
 
 def step_bytes(model: Any, position: int) -> dict[str, int]:
@@ -141,17 +185,70 @@ def step_bytes(model: Any, position: int) -> dict[str, int]:
     return {"weights": weights, "kv_cache": kv, "embedding_row": row, "total": weights + kv + row}
 
 
-def decode_step_ms(model: Any, position: int, steps: int, num_tokens: int = 1) -> float:
-    """Median wall ms of a batch-1 forward of num_tokens tokens at `position` (the cache holds `position` earlier
-    tokens); num_tokens = gamma + 1 is a verification step."""
+@contextlib.contextmanager
+def torch_attention_path():
+    """Within: the runtime's norms, RoPE, cache writes and attention go through torch ops (F.rms_norm, index_put,
+    SDPA) instead of specgate.models.native's C path; the products stay as they are."""
+    from specgate.models import native
+
+    saved = native.attention_applies, native.norm_applies
+    native.attention_applies = native.norm_applies = lambda *args: False
+    try:
+        yield
+    finally:
+        native.attention_applies, native.norm_applies = saved
+
+
+def step_forward(model: Any, position: int, num_tokens: int = 1):
+    """A callable running one batch-1 forward of num_tokens tokens at `position` (the cache holds `position`
+    earlier tokens); num_tokens = gamma + 1 is a verification step."""
     cache, slots = model.new_cache(1, position + num_tokens + 1), torch.zeros(1, dtype=torch.int64)
+    ids = torch.randint(0, 1000, (1, position), generator=torch.Generator().manual_seed(0))  # [1, P]
+    tokens = torch.full((1, num_tokens), 7)  # [1, T]
+    where = torch.arange(position, position + num_tokens)[None]  # [1, T]
     with torch.inference_mode():
-        ids = torch.randint(0, 1000, (1, position), generator=torch.Generator().manual_seed(0))  # [1, P]
         model(ids, torch.arange(position)[None], cache, slots, last_only=True)
-        tokens = torch.full((1, num_tokens), 7)  # [1, T]
-        where = torch.arange(position, position + num_tokens)[None]  # [1, T]
         model(tokens, where, cache, slots)
-        return 1e3 * median_s(lambda: model(tokens, where, cache, slots), steps)
+
+    def forward() -> None:
+        with torch.inference_mode():
+            model(tokens, where, cache, slots)
+
+    return forward
+
+
+def floor_rounds(model: Any, args: argparse.Namespace, probe: bool) -> dict[str, Any]:
+    """--rounds rounds, each: the read-bandwidth probe, then the median of --steps 1-token steps and of --steps
+    (gamma+1)-token steps, through the C attention path and through torch's; medians over rounds of each figure
+    and of the per-round ratios (a round's step and its floor are measured back to back, so a slow phase of this
+    shared machine moves both)."""
+    verify_tokens = args.gamma + 1
+    nbytes = step_bytes(model, args.position)
+    forwards = {"step_ms": step_forward(model, args.position), "verify_ms": step_forward(model, args.position, verify_tokens)}
+    rounds = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("floor rounds", total=args.rounds)
+        for _ in range(args.rounds):
+            row: dict[str, float] = {}
+            if probe:
+                bandwidth = bandwidth_probe(repeats=3)
+                row["read_gb_s"] = bandwidth["read_gb_s"]
+                row["floor_ms"] = nbytes["total"] / (bandwidth["read_gb_s"] * 1e9) * 1e3
+            for key, forward in forwards.items():
+                row[key] = 1e3 * median_s(forward, args.steps)
+            with torch_attention_path():
+                for key, forward in forwards.items():
+                    row[f"torch_path_{key}"] = 1e3 * median_s(forward, args.steps)
+            row["verify_over_step"] = row["verify_ms"] / row["step_ms"]
+            row["torch_path_verify_over_step"] = row["torch_path_verify_ms"] / row["torch_path_step_ms"]
+            row["torch_path_over_c_path"] = row["torch_path_step_ms"] / row["step_ms"]
+            if probe:
+                row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
+                row["achieved_gb_s"] = nbytes["total"] / (row["step_ms"] / 1e3) / 1e9
+            rounds.append(row)
+            progress.advance(task)
+    median = {key: sorted(r[key] for r in rounds)[len(rounds) // 2] for key in rounds[0]}
+    return {"bytes_per_step": nbytes, "verify_tokens": verify_tokens, "rounds": rounds, **median}
 
 
 # --- lanes ------------------------------------------------------------------------------------------------------
@@ -188,16 +285,8 @@ def run_dtype(dtype: torch.dtype, args: argparse.Namespace, bandwidth: dict[str,
     console.print(f"[bold]{name}[/]: loading gemma-3-270m (specgate runtime)")
     target = load_model("gemma-3-270m", dtype=dtype)
     if "floor" in sections:
-        console.print(f"{name}: batch-1 decode step at position {args.position}")
-        nbytes = step_bytes(target.model, args.position)
-        step_ms = decode_step_ms(target.model, args.position, args.steps)
-        verify_ms = decode_step_ms(target.model, args.position, args.steps, args.gamma + 1)
-        out["floor"] = {"bytes_per_step": nbytes, "step_ms": step_ms, f"verify_{args.gamma + 1}_tokens_ms": verify_ms,
-                        "verify_over_step": verify_ms / step_ms}
-        if bandwidth is not None:
-            floor_ms = nbytes["total"] / (bandwidth["read_gb_s"] * 1e9) * 1e3
-            out["floor"].update(floor_ms=floor_ms, step_over_floor=step_ms / floor_ms,
-                                achieved_gb_s=nbytes["total"] / (step_ms / 1e3) / 1e9)
+        console.print(f"{name}: batch-1 decode steps at position {args.position}, {args.rounds} rounds")
+        out["floor"] = floor_rounds(target.model, args, bandwidth is not None)
     if not sections & {"decode", "ngram"}:
         return out
 
@@ -250,7 +339,16 @@ def run_dtype(dtype: torch.dtype, args: argparse.Namespace, bandwidth: dict[str,
             "own n-gram / own baseline (measured speedup)": measured,
             "transformers prompt lookup / transformers greedy": speed["transformers prompt lookup"] / speed["transformers greedy"],
         })
+        # the decode phase alone (prefill excluded from both lanes), against what the measured tokens per step and
+        # the measured step costs account for: what is left between them is the engine's own per-step work
+        ngram = results["own n-gram"]
+        decode_s_per_token = {name: (r["wall_s"] - r["stats"].prefill_ms / 1e3) / len(r["tokens"])  # prefill emits none
+                              for name, r in (("baseline", baseline), ("ngram", ngram))}
+        decode_speedup = decode_s_per_token["baseline"] / decode_s_per_token["ngram"]
+        accounted = stats.acceptance_length * out["own_baseline_ms_per_step"] / (stats.verify_ms_total / stats.iterations)
         out["theory"] = {
+            "decode_phase_speedup": decode_speedup, "accounted_speedup": accounted,
+            "decode_phase_over_accounted": decode_speedup / accounted,
             "gamma": args.gamma, "measured_alpha": alpha, "c": c, "predicted_speedup": predicted,
             "measured_speedup": measured, "measured_over_predicted": measured / predicted if predicted else None,
             "c_effective": c_effective, "predicted_speedup_effective_c": predicted_effective,
@@ -302,16 +400,25 @@ def print_markdown(report: dict[str, Any]) -> None:
           f"native bf16: {m['native_bf16']}, default_dtype: {m['default_dtype']}, load {m['load_average_start']} -> {report['load_average_end']}")
     if "bandwidth" in report:
         b = report["bandwidth"]
-        print(f"bandwidth probe ({b['megabytes']} MB): read {b['read_gb_s']:.1f} GB/s, copy {b['copy_gb_s']:.1f} GB/s\n")
+        print(f"bandwidth probe ({b['megabytes']} MB): read {b['read_gb_s']:.1f} GB/s (torch sum {b['torch_sum_read_gb_s']:.1f}, "
+              f"AVX2 sum {b.get('native_read_gb_s', float('nan')):.1f}), copy {b['copy_gb_s']:.1f} GB/s\n")
     rows = [(d, r) for d, r in report["dtypes"].items()]
     if any("floor" in r for _, r in rows):
-        print("| dtype | MB read per step | floor ms | measured step ms | step / floor | achieved GB/s | verify step (gamma+1 tokens) / 1-token step |")
-        print("|---|---|---|---|---|---|---|")
+        print("Medians over rounds (each round: probe, then the steps, back to back):")
+        print("| dtype | MB read per step | read GB/s | floor ms | step ms | step / floor | achieved GB/s | verify / step | "
+              "torch-path step ms | torch path / C path | torch-path verify / step |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for d, r in rows:
             f = r.get("floor")
             if f and "floor_ms" in f:
-                print(f"| {d} | {f['bytes_per_step']['total'] / 1e6:.0f} | {f['floor_ms']:.1f} | {f['step_ms']:.1f} | "
-                      f"{f['step_over_floor']:.2f}x | {f['achieved_gb_s']:.1f} | {f['verify_over_step']:.2f}x |")
+                print(f"| {d} | {f['bytes_per_step']['total'] / 1e6:.0f} | {f['read_gb_s']:.1f} | {f['floor_ms']:.1f} | {f['step_ms']:.1f} | "
+                      f"{f['step_over_floor']:.2f}x | {f['achieved_gb_s']:.1f} | {f['verify_over_step']:.2f}x | "
+                      f"{f['torch_path_step_ms']:.1f} | {f['torch_path_over_c_path']:.2f}x | {f['torch_path_verify_over_step']:.2f}x |")
+        for d, r in rows:
+            f = r.get("floor")
+            if f and "floor_ms" in f:
+                print(f"{d}: step / floor per round: " + ", ".join(f"{row['step_over_floor']:.2f}x" for row in f["rounds"]) +
+                      "; verify / step per round: " + ", ".join(f"{row['verify_over_step']:.2f}x" for row in f["rounds"]))
         print()
     if any("lanes" in r for _, r in rows):
         names = list(next(r for _, r in rows if "lanes" in r)["lanes"])
@@ -332,14 +439,17 @@ def print_markdown(report: dict[str, Any]) -> None:
                           f"measured {t['measured_speedup']:.2f}x ({t['measured_over_predicted']:.2f} of predicted); with the verify step's growth in c: "
                           f"c_eff {t['c_effective']:.3f}, predicted {t['predicted_speedup_effective_c']:.2f}x, measured/predicted {t['measured_over_predicted_effective_c']:.2f}; AL {t['acceptance_length']:.2f}, "
                           f"verify ms/step {t['verify_ms_per_step']:.1f} vs baseline {t['baseline_verify_ms_per_step']:.1f}")
+                    print(f"{d}: decode phase (prefill excluded): measured {t['decode_phase_speedup']:.2f}x; AL x baseline step / verify step "
+                          f"= {t['accounted_speedup']:.2f}x; measured / that {t['decode_phase_over_accounted']:.2f} (the rest is the engine's own work)")
         print()
-    if report.get("head"):
-        names = [name for name in ("f_linear_ms", "onednn_ms", "native_ms") if name in report["head"][0]]
-        print("| rows | " + " | ".join(names) + " |")
-        print("|" + "---|" * (len(names) + 1))
-        for row in report["head"]:
-            print(f"| {row['rows']} | " + " | ".join(f"{row[name]:.1f}" for name in names) + " |")
-        print()
+    for section in ("head", "layers"):
+        if report.get(section):
+            names = [name for name in ("f_linear_ms", "onednn_ms", "native_ms") if name in report[section][0]]
+            print(f"{section}:\n| rows | " + " | ".join(names) + " |")
+            print("|" + "---|" * (len(names) + 1))
+            for row in report[section]:
+                print(f"| {row['rows']} | " + " | ".join(f"{row[name]:.1f}" for name in names) + " |")
+            print()
     for row in report.get("demo_rss", []):
         print(f"demo peak RSS {row['peak_rss_mib']:.0f} MiB (exit {row['exit_status']}, {row.get('wall')}): {row['command']}")
 
@@ -353,6 +463,7 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=8, help="n-gram draft length and transformers' prompt_lookup_num_tokens")
     parser.add_argument("--position", type=int, default=128, help="KV position of the timed batch-1 decode steps")
     parser.add_argument("--steps", type=int, default=15, help="timed decode steps (median)")
+    parser.add_argument("--rounds", type=int, default=5, help="floor section: rounds of probe + steps (medians over rounds)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the report as JSON here")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = cores); 1 avoids thread stalls on a shared VM")
     args = parser.parse_args()
@@ -373,6 +484,9 @@ def main() -> None:
     if "head" in sections:
         console.print("LM-head products by row count")
         report["head"] = head_products(args.steps)
+    if "layers" in sections:
+        console.print("layer products by row count")
+        report["layers"] = layer_products(args.steps)
     if "demo_rss" in sections:
         report["demo_rss"] = demo_peak_rss()
     report["load_average_end"] = os.getloadavg()

@@ -1,4 +1,4 @@
-"""specgate.models.native: the C kernel for the LM head of 1..20 rows.
+"""specgate.models.native: the C kernels of decode and verification steps (products, norms, attention).
 
 Checks: it is built and used on this machine (x86-64 with AVX2/FMA and a C compiler, as CI is); its product
 equals float64 x @ W^T within float32 summation error; every row's output is bit-identical whether the row is
@@ -69,21 +69,24 @@ def test_the_thread_split_covers_every_column_once(threads):
 
 
 @needs_kernel
-def test_linear_routes_a_large_head_to_the_kernel(monkeypatch):
-    """linear() picks the kernel for a >= 16M-element float32 weight and 1..20 rows, oneDNN/F.linear otherwise."""
+def test_linear_routes_few_rows_to_the_kernel(monkeypatch):
+    """linear() picks the kernel for float32 products of 1..20 rows with an LM head (>= HEAD_ELEMENTS) and 1..64
+    rows with a layer's weight; oneDNN / F.linear otherwise (a prefill, a wide batch)."""
     calls = []
     real = native.skinny_linear
-    monkeypatch.setattr(native, "skinny_linear", lambda x, w: calls.append(tuple(x.shape)) or real(x, w))
-    monkeypatch.setattr(native, "SKINNY_MIN_ELEMENTS", 4096 * 64)
+    monkeypatch.setattr(native, "skinny_linear", lambda x, w: calls.append((tuple(x.shape), w.shape[0])) or real(x, w))
+    monkeypatch.setattr(native, "HEAD_ELEMENTS", 4096 * 64)
     generator = torch.Generator().manual_seed(1)
-    weight = torch.randn(4096, 64, generator=generator)
+    weight = torch.randn(4096, 64, generator=generator)  # a "head" under the patched threshold
     bias = torch.randn(4096, generator=generator)
     x = torch.randn(2, 3, 64, generator=generator)
     with torch.inference_mode():
         out = transformer.linear(x, weight, bias)
-        transformer.linear(torch.randn(21, 64), weight)  # 21 rows: not the kernel
-        transformer.linear(torch.randn(2, 64), weight[:1024])  # a smaller weight: not the kernel
-    assert calls == [(6, 64)]
+        transformer.linear(torch.randn(21, 64), weight)  # 21 rows of a head: oneDNN
+        transformer.linear(torch.randn(64, 64), weight[:1024])  # 64 rows of a layer's weight: the kernel
+        transformer.linear(torch.randn(65, 64), weight[:1024])  # 65 rows: oneDNN
+        transformer.linear(torch.randn(2, 64).double(), weight[:1024].double())  # float64: not the kernel
+    assert calls == [((6, 64), 4096), ((64, 64), 1024)]
     assert out.shape == (2, 3, 4096) and torch.allclose(out, torch.nn.functional.linear(x, weight, bias), atol=1e-4)
 
 
@@ -118,3 +121,112 @@ def test_the_kernel_shares_torchs_openmp_runtime():
     with open("/proc/self/maps") as maps:
         runtimes = {line.split()[-1] for line in maps if "libgomp" in line and "sentencepiece" not in line}
     assert len(runtimes) == 1, runtimes
+
+
+# --- norms and attention (the decode / verification path of specgate.models.transformer) ---------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_norms_equal_torchs(rows):
+    generator = torch.Generator().manual_seed(rows)
+    x, a = torch.randn(rows, 640, generator=generator), torch.randn(rows, 640, generator=generator)
+    scale, nxt = torch.rand(640, generator=generator) + 0.5, torch.rand(640, generator=generator) + 0.5
+    norm = lambda v, s: torch.nn.functional.rms_norm(v, (640,), s, 1e-6)  # noqa: E731
+    assert torch.allclose(native.rms_norm(x, scale, 1e-6), norm(x, scale), atol=1e-6, rtol=1e-5)
+    inout = x.clone()
+    out = native.residual_norm(inout, a, scale, nxt, 1e-6)
+    assert torch.allclose(inout, x + norm(a, scale), atol=1e-6, rtol=1e-5)
+    assert torch.allclose(out, norm(x + norm(a, scale), nxt), atol=1e-6, rtol=1e-5)
+    assert native.residual_norm(x.clone(), a, scale, None, 1e-6) is None
+
+
+def _ragged_logits(model, history_len: dict[int, int], new_len: dict[int, int], seed: int = 5):
+    """Slots filled with histories (one call each), then one ragged call (rows in slot order 2, 0, 1, -1 padding):
+    its logits [B, T, V] and the positions [B, T]."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = model.new_cache(3, 64)
+    for slot, n in history_len.items():
+        if n:
+            model(torch.randint(4, 500, (1, n), generator=generator), torch.arange(n)[None], cache, torch.tensor([slot]))
+    order, width = [2, 0, 1], max(new_len.values())
+    ids, positions = torch.full((3, width), -1), torch.full((3, width), -1)  # [B, T]
+    for row, slot in enumerate(order):
+        n, start = new_len[slot], history_len[slot]
+        ids[row, :n] = torch.randint(4, 500, (n,), generator=generator)
+        positions[row, :n] = torch.arange(start, start + n)
+    return model(ids, positions, cache, torch.tensor(order)), positions
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["gemma3", "llama", "mistral"])
+def test_native_attention_path_equals_the_torch_path(tiny_model_dir, monkeypatch, family):
+    """A ragged batch (GQA, rows past the sliding window, different starts and lengths, padding, slots out of order)
+    scored through the C path (norms, RoPE, cache write, attention) equals torch's path (F.rms_norm, apply_rope,
+    index_put, SDPA) to float32 rounding; a copy with the sliding window switched off in the C path must not
+    (negative control: the comparison sees a window error), nor one with a 1% error in the attention scale."""
+    from specgate.models import load_model
+
+    model = load_model(str(tiny_model_dir(family)), dtype=torch.float32).model
+    history, new = {0: 13, 1: 17, 2: 0}, {0: 5, 1: 3, 2: 1}
+    calls = []
+    real = native.attention
+    with torch.inference_mode():
+        with monkeypatch.context() as patch:
+            patch.setattr(native, "attention", lambda *args: calls.append(args[0].shape) or real(*args))
+            fast, positions = _ragged_logits(model, history, new)
+        assert len(calls) == 3 * len(model.layers)  # two histories + the ragged call, every layer through the C path
+        with monkeypatch.context() as patch:
+            patch.setattr(native, "attention_applies", lambda *args: False)
+            patch.setattr(native, "norm_applies", lambda *args: False)
+            slow, _ = _ragged_logits(model, history, new)
+        wrongs = []
+        windowed = [block.self_attn for block in model.layers if block.self_attn.window is not None]
+        assert bool(windowed) == (family != "llama")
+        for attn in windowed:
+            attn.window, kept = None, attn.window
+        if windowed:
+            wrongs.append(_ragged_logits(model, history, new)[0])
+            for attn in windowed:
+                attn.window = kept
+        for block in model.layers:
+            block.self_attn.scale *= 1.01
+        wrongs.append(_ragged_logits(model, history, new)[0])
+    valid = positions >= 0  # [B, T]
+    tolerance = 1e-5 * slow[valid].abs().max().item()
+    assert (fast[valid] - slow[valid]).abs().max().item() <= tolerance
+    for wrong in wrongs:
+        assert (wrong[valid] - slow[valid]).abs().max().item() > 100 * tolerance
+
+
+@needs_kernel
+def test_a_verification_pass_is_bit_identical_to_single_steps(tiny_model_dir):
+    """Batch invariance of the C path: the logits of 5 tokens scored in one call (a verification pass), with another
+    request's rows beside them, are bit-identical to scoring the 5 tokens one call at a time alone."""
+    from specgate.models import load_model
+
+    model = load_model(str(tiny_model_dir("gemma3")), dtype=torch.float32).model
+    generator = torch.Generator().manual_seed(3)
+    prompt, drafts, other = (torch.randint(4, 500, (1, n), generator=generator) for n in (12, 5, 9))
+    with torch.inference_mode():
+        cache = model.new_cache(2, 64)
+        model(prompt, torch.arange(12)[None], cache, torch.tensor([0]))
+        model(other, torch.arange(9)[None], cache, torch.tensor([1]))
+        ids = torch.stack([drafts[0], torch.cat([other[0, :3], torch.full((2,), -1)])])  # [2, 5]
+        positions = torch.stack([torch.arange(12, 17), torch.cat([torch.arange(9, 12), torch.full((2,), -1)])])
+        together = model(ids, positions, cache, torch.tensor([0, 1]))[0]  # [5, V]
+        alone = model.new_cache(1, 64)
+        model(prompt, torch.arange(12)[None], alone, torch.tensor([0]))
+        single = torch.cat([model(drafts[:, i : i + 1], torch.tensor([[12 + i]]), alone, torch.tensor([0]))[0] for i in range(5)])
+    assert torch.equal(together, single)
+
+
+@needs_kernel
+def test_attention_refuses_bad_shapes():
+    keys = torch.zeros(1, 1, 9, 16)
+    with pytest.raises(ValueError, match=r"qkv \(2, 40\) must be contiguous float32"):
+        native.attention(torch.zeros(2, 40), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                         torch.ones(8), None, None, 1e-6, 2, 1, keys, keys.clone(), None, 1.0, 2)
+    with pytest.raises(ValueError, match=r"must be int64 \[R\] = \[2\]"):
+        native.attention(torch.zeros(2, 64), torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                         torch.ones(8), None, None, 1e-6, 2, 1, keys, keys.clone(), None, 1.0, 2)

@@ -122,7 +122,7 @@ def test_ragged_batch_past_the_window_equals_each_row_alone(gemma_pair, monkeypa
         n, start = new_len[slot], history_len[slot]
         ids[row, :n], positions[row, :n] = new[slot][0], torch.arange(start, start + n)
     logits = model(ids, positions, cache, torch.tensor(order))  # [B, T, V]
-    window_start = model._masks(positions, int(positions.max()) + 1)[8][1]
+    window_start = model._mask(positions, int(positions.max()) + 1, 8)[1]
     assert window_start == max(0, min(history_len.values()) - 8 + 1)  # keys before it are not read
     for row, slot in enumerate(order):
         full = torch.cat([history[slot], new[slot]], dim=1)  # [1, H + n]

@@ -167,15 +167,22 @@ def _onednn_linear_available() -> bool:
 ONEDNN_LINEAR = _onednn_linear_available()
 
 
+def _inference(*tensors: Tensor | None) -> bool:
+    """True unless autograd must record this op (grad enabled and an input requires grad): the native kernels and
+    oneDNN's op record no graph."""
+    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [..., K] times weight [N, K] transposed (+ bias [N]) -> [..., N], like F.linear, faster on CPU.
 
-    - float32 on CPU, an LM head (>= 16M elements) times 1..20 rows: specgate.models.native's C kernel, which reads
-      the head once for all rows (oneDNN and MKL cost 2.5-3x a 1-row product for 2-9 rows).
-    - other float32 on CPU: oneDNN's inner-product primitive (torch.ops.mkldnn._linear_pointwise, the op inductor
-      emits for a linear, on the plain strided weight). F.linear goes to MKL, whose matrix-vector product runs
-      on one core on this project's AMD CPUs and reads memory at half the machine's bandwidth; oneDNN uses every
-      torch thread. Gemma-3-270M's 262,144 x 640 head, 2 threads, 1 row: 57 ms (F.linear) vs 25 ms; 9 rows:
+    - float32 on CPU, few rows (an LM head times 1..20, a layer's weight times 1..64): specgate.models.native's C
+      kernel, which reads the weight once for all rows (oneDNN and MKL cost 2-3x a 1-row product for 2-9 rows;
+      Gemma-3-270M's layer products: 0.6-0.9x oneDNN's time at 1 row, ~0.5-0.6x at 5 rows).
+    - other float32 on CPU (a prefill, a wide serving batch): oneDNN's inner-product primitive
+      (torch.ops.mkldnn._linear_pointwise, the op inductor emits for a linear, on the plain strided weight).
+      F.linear goes to MKL, whose matrix-vector product runs on one core on this project's AMD CPUs and reads
+      memory at half the machine's bandwidth; oneDNN uses every torch thread. Gemma-3-270M's 262,144 x 640 head, 2 threads, 1 row: 57 ms (F.linear) vs 25 ms; 9 rows:
       177 vs 74 ms; a 2048 x 640 layer weight read from memory: ~470 vs ~270 us (bench/bench_perf.py).
       Not used where autograd needs the graph (training), which the op does not record.
     - bfloat16 without native bf16 instructions: PyTorch's bf16 GEMM then costs one matrix-vector pass per
@@ -185,10 +192,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows == 0 or x.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    if not _inference(x, weight, bias):
         return F.linear(x, weight, bias)
     if weight.dtype == torch.float32:
-        if native.applies(x, weight):  # the LM head for 1..20 rows: read once (see specgate.models.native)
+        if native.applies(x, weight):  # decode / verification rows: the weight read once (specgate.models.native)
             out = native.skinny_linear(x.reshape(rows, x.shape[-1]), weight)  # [R, N]
             if bias is not None:
                 out = out + bias
@@ -253,8 +260,13 @@ class RMSNorm(nn.Module):
         shape = (x.shape[-1],)
         if self.gemma:  # one fused kernel: x̂ * (1 + w), all in float32
             if x.dtype == torch.float32:
-                return F.rms_norm(x, shape, self._gemma_scale(), self.eps)
+                scale = self._gemma_scale()
+                if _inference(x, scale) and native.norm_applies(x, scale):  # decode rows: one C call
+                    return native.rms_norm(x, scale, self.eps)
+                return F.rms_norm(x, shape, scale, self.eps)
             return F.rms_norm(x.float(), shape, self._gemma_scale(), self.eps).type_as(x)
+        if x.dtype == self.weight.dtype == torch.float32 and _inference(x, self.weight) and native.norm_applies(x, self.weight):
+            return native.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
 
@@ -327,6 +339,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        self.window, self.rope_key = args.layer_windows[layer], args.layer_rope[layer]
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.scale = args.attn_scale
         self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
@@ -340,23 +353,36 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.fused: FusedLinears | None = None  # q, k, v as one product, set by CausalLM.fuse_projections
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: tuple[Tensor, int], batch: "Batch") -> Tensor:
-        """x [B, T, H]; rope: cos, sin [B, 1, T, D]; mask: ([B, 1, T, L - start] bool, True = attend; start), the
-        keys at positions start..L-1 being the only ones any query of this layer can see."""
-        mask, start = mask
+    def forward(self, x: Tensor, batch: "Batch") -> Tensor:
+        """x [B, T, H] -> [B, T, H]; writes this layer's K/V of the batch into the cache."""
         B, T, _ = x.shape
         fused = self.fused.get() if self.fused is not None else None
+        if fused is not None and batch.native:  # decode / verification rows: norms, RoPE, cache write, attention in C
+            qkv = linear(x, *fused).reshape(B * T, -1)  # [B T, (H_q + 2 H_kv) D]
+            q_norm, k_norm = self.q_norm, self.k_norm
+            out = native.attention(
+                qkv, batch.flat_positions, batch.flat_slots, batch.inv_freq[self.rope_key],
+                q_norm._gemma_scale() if q_norm is not None else None,
+                k_norm._gemma_scale() if k_norm is not None else None,
+                q_norm.eps if q_norm is not None else 0.0,
+                self.num_heads, self.num_kv_heads, batch.cache.keys[self.layer], batch.cache.values[self.layer],
+                self.window, self.scale, batch.kv_length,
+            )  # [B T, H_q D]
+            return _proj(self.o_proj, out.view(B, T, -1))
         if fused is not None:
             q, k, v = linear(x, *fused).split(self.fused.sizes, dim=-1)  # [B, T, H_q D], [B, T, H_kv D] x 2
         else:
             q, k, v = _proj(self.q_proj, x), _proj(self.k_proj, x), _proj(self.v_proj, x)
-        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H_q, T, D]
-        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
-        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
-        if self.q_norm is not None:
+        q = q.view(B, T, self.num_heads, self.head_dim)  # [B, T, H_q, D]
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, H_kv, D]
+        if self.q_norm is not None:  # per head vector: before the transpose, on the contiguous rows
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H_q, T, D], [B, H_kv, T, D]
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        cos, sin = batch.rope(self.rope_key)  # [B, 1, T, D] each
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         batch.cache.write(self.layer, batch.slots, batch.positions, k, v)
+        mask, start = batch.mask(self.window)  # [B, 1, T, L - start]: only keys start..L-1 are visible
         keys, values = batch.cache.read(self.layer, batch.slots, batch.kv_length, batch.contiguous_from, start)  # [B, H_kv, L - start, D]
         gqa = self.num_heads != self.num_kv_heads  # each group of query heads shares one KV head
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)  # [B, H_q, T, D]
@@ -377,23 +403,51 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.norm_eps, gemma=True)
             self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.norm_eps, gemma=True)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: tuple[Tensor, int], batch: "Batch") -> Tensor:
+    def forward(self, x: Tensor, batch: "Batch") -> Tensor:
         if self.gemma:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, batch))
+            if batch.native and x.is_contiguous():  # residual + norm pairs in one C call each (x updated in place)
+                post_attn, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
+                h = native.residual_norm(x, self.self_attn(self.input_layernorm(x), batch), post_attn._gemma_scale(),
+                                         pre_ff._gemma_scale(), post_attn.eps)
+                native.residual_norm(x, self.mlp(h), self.post_feedforward_layernorm._gemma_scale(), None, post_attn.eps)
+                return x
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), batch))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, batch)
+        x = x + self.self_attn(self.input_layernorm(x), batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-@dataclass
 class Batch:
-    """What every attention layer of one forward call needs about the batch."""
+    """What every attention layer of one forward call needs about the batch. RoPE tables and masks (the torch
+    path's) are built on first use and shared by the layers that use the same RoPE / window."""
 
-    cache: KVCache
-    slots: Tensor  # [B] int64
-    positions: Tensor  # [B, T] int64, -1 = pad
-    kv_length: int  # keys 0..kv_length-1 are read (max position in the batch + 1)
-    contiguous_from: int | None  # first slot when slots are consecutive (read views, not copies)
+    def __init__(self, model: "CausalLM", cache: KVCache, slots: Tensor, positions: Tensor, kv_length: int,
+                 contiguous_from: int | None, native_path: bool) -> None:
+        self.model = model
+        self.cache = cache
+        self.slots = slots  # [B] int64
+        self.positions = positions  # [B, T] int64, -1 = pad
+        self.kv_length = kv_length  # keys 0..kv_length-1 are read (max position in the batch + 1)
+        self.contiguous_from = contiguous_from  # first slot when slots are consecutive (read views, not copies)
+        self.native = native_path  # the C attention path (specgate.models.native) serves this forward
+        self.inv_freq = model.inv_freq
+        if native_path:
+            self.flat_positions = positions.reshape(-1).contiguous()  # [B T]
+            self.flat_slots = slots[:, None].expand_as(positions).reshape(-1).contiguous()  # [B T]
+        self._ropes: dict[str, tuple[Tensor, Tensor]] = {}
+        self._masks: dict[int | None, tuple[Tensor, int]] = {}
+
+    def rope(self, key: str) -> tuple[Tensor, Tensor]:
+        """cos, sin [B, 1, T, D] for the RoPE parameters `key`."""
+        if key not in self._ropes:
+            self._ropes[key] = self.model._rope_table(self.positions, self.model.inv_freq[key], self.model.dtype)
+        return self._ropes[key]
+
+    def mask(self, window: int | None) -> tuple[Tensor, int]:
+        """(mask [B, 1, T, L - start] bool, start) for layers with this sliding window (None: full attention)."""
+        if window not in self._masks:
+            self._masks[window] = self.model._mask(self.positions, self.kv_length, window)
+        return self._masks[window]
 
 
 class CausalLM(nn.Module):
@@ -440,31 +494,27 @@ class CausalLM(nn.Module):
         a = self.args
         return KVCache(a.num_layers, num_slots, a.num_kv_heads, max_seq_len, a.head_dim, dtype=self.dtype, device=self.device)
 
-    def _rope(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
-        """cos, sin [B, 1, T, D] per RoPE key, computed in float32 and cast like the reference does."""
-        out = {}
-        for key, inv_freq in self.inv_freq.items():
-            freqs = positions.clamp(min=0)[..., None].float() * inv_freq.to(positions.device)  # [B, T, D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-            out[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
-        return out
+    @staticmethod
+    def _rope_table(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [B, 1, T, D], computed in float32 and cast like the reference does."""
+        freqs = positions.clamp(min=0)[..., None].float() * inv_freq.to(positions.device)  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def _masks(self, positions: Tensor, kv_length: int) -> dict[int | None, tuple[Tensor, int]]:
-        """Per window size: (mask [B, 1, T, L - start] bool, start). Key j is visible to a query at p iff j <= p (and
-        j > p - w). A sliding layer reads only keys from start = (lowest query position) - w + 1 on: past the window
-        the older keys are neither read nor scored."""
+    @staticmethod
+    def _mask(positions: Tensor, kv_length: int, window: int | None) -> tuple[Tensor, int]:
+        """(mask [B, 1, T, L - start] bool, start). Key j is visible to a query at p iff j <= p (and j > p - w). A
+        sliding layer reads only keys from start = (lowest query position) - w + 1 on: past the window the older
+        keys are neither read nor scored."""
         query = positions[:, None, :, None]  # [B, 1, T, 1]
         pad = query < 0  # [B, 1, T, 1]: pad queries look at the first key so no row is all -inf (NaN); output discarded
         lowest = int(torch.where(positions >= 0, positions, kv_length).min()) if positions.numel() else 0
-        masks = {}
-        for window in set(self.args.layer_windows):
-            start = 0 if window is None else max(0, min(lowest, kv_length - 1) - window + 1)
-            key = torch.arange(start, kv_length, device=positions.device)  # [L - start]
-            mask = key <= query  # [B, 1, T, L - start]
-            if window is not None:
-                mask = mask & (key > query - window)
-            masks[window] = (mask | (pad & (key == start)), start)
-        return masks
+        start = 0 if window is None else max(0, min(lowest, kv_length - 1) - window + 1)
+        key = torch.arange(start, kv_length, device=positions.device)  # [L - start]
+        mask = key <= query  # [B, 1, T, L - start]
+        if window is not None:
+            mask = mask & (key > query - window)
+        return mask | (pad & (key == start)), start
 
     def forward(
         self,
@@ -502,15 +552,19 @@ class CausalLM(nn.Module):
             raise ValueError(f"slots {slot_list} repeat a cache row: each batch row needs its own slot")
         contiguous = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))) if slot_list else False
         kv_length = max(int(positions.max()) + 1, 1) if positions.numel() else 1
-        batch = Batch(cache, slots, positions, kv_length, slot_list[0] if contiguous else None)
+        rows = positions.numel()
+        native_path = (  # decode / verification rows of a float32 model in inference: the C attention path
+            self.dtype == torch.float32
+            and _inference(self.embed_tokens.weight)
+            and native.attention_applies(rows, self.args.head_dim, cache.keys[0])
+        )
+        batch = Batch(self, cache, slots, positions, kv_length, slot_list[0] if contiguous else None, native_path)
 
         x = self.embed_tokens(input_ids)  # [B, T, H]
         if self.args.embed_scale is not None:  # Gemma: the scale is rounded to the model dtype first
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
-        ropes = self._rope(positions, x.dtype)
-        masks = self._masks(positions, kv_length)
-        for layer, block in enumerate(self.layers):
-            x = block(x, ropes[self.args.layer_rope[layer]], masks[self.args.layer_windows[layer]], batch)
+        for block in self.layers:
+            x = block(x, batch)
         hidden = self.norm(x)  # [B, T, H]
 
         if last_only:
