@@ -248,7 +248,32 @@ def floor_rounds(model: Any, args: argparse.Namespace, probe: bool) -> dict[str,
             rounds.append(row)
             progress.advance(task)
     median = {key: sorted(r[key] for r in rounds)[len(rounds) // 2] for key in rounds[0]}
-    return {"bytes_per_step": nbytes, "verify_tokens": verify_tokens, "rounds": rounds, **median}
+    return {"bytes_per_step": nbytes, "verify_tokens": verify_tokens, "rounds": rounds, **median,
+            "glue_step_ms": glue_step_ms(model, forwards["step_ms"], args.steps)}
+
+
+def glue_step_ms(model: Any, forward, steps: int) -> float | None:
+    """Median ms of the same 1-token step with every native product replaced by its own output, computed once
+    beforehand: what the step costs besides reading the weights (norms, RoPE, attention, Python, small ops).
+    A measurement device only: the logits of such a step are stale."""
+    from specgate.models import native
+
+    if not native.available():
+        return None
+    real, outputs = native.skinny_linear, {}
+
+    def cached(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        key = (tuple(x.shape), weight.data_ptr())
+        if key not in outputs:
+            outputs[key] = real(x, weight)
+        return outputs[key]
+
+    native.skinny_linear = cached
+    try:
+        forward()  # fill the cache
+        return 1e3 * median_s(forward, steps)
+    finally:
+        native.skinny_linear = real
 
 
 # --- lanes ------------------------------------------------------------------------------------------------------
@@ -419,6 +444,9 @@ def print_markdown(report: dict[str, Any]) -> None:
             if f and "floor_ms" in f:
                 print(f"{d}: step / floor per round: " + ", ".join(f"{row['step_over_floor']:.2f}x" for row in f["rounds"]) +
                       "; verify / step per round: " + ", ".join(f"{row['verify_over_step']:.2f}x" for row in f["rounds"]))
+                if f.get("glue_step_ms") is not None:
+                    print(f"{d}: the step without its products (each replaced by its precomputed output): {f['glue_step_ms']:.1f} ms "
+                          f"of {f['step_ms']:.1f}")
         print()
     if any("lanes" in r for _, r in rows):
         names = list(next(r for _, r in rows if "lanes" in r)["lanes"])
