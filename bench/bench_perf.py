@@ -260,7 +260,7 @@ def glue_step_ms(model: Any, forward, steps: int) -> float | None:
 
     if not native.available():
         return None
-    real, outputs = native.skinny_linear, {}
+    real, outputs = native.skinny_product, {}
 
     def cached(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         key = (tuple(x.shape), weight.data_ptr())
@@ -268,12 +268,12 @@ def glue_step_ms(model: Any, forward, steps: int) -> float | None:
             outputs[key] = real(x, weight)
         return outputs[key]
 
-    native.skinny_linear = cached
+    native.skinny_product = cached
     try:
         forward()  # fill the cache
         return 1e3 * median_s(forward, steps)
     finally:
-        native.skinny_linear = real
+        native.skinny_product = real
 
 
 # --- lanes ------------------------------------------------------------------------------------------------------

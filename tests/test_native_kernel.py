@@ -73,8 +73,8 @@ def test_linear_routes_few_rows_to_the_kernel(monkeypatch):
     """linear() picks the kernel for float32 products of 1..20 rows with an LM head (>= HEAD_ELEMENTS) and 1..64
     rows with a layer's weight; oneDNN / F.linear otherwise (a prefill, a wide batch)."""
     calls = []
-    real = native.skinny_linear
-    monkeypatch.setattr(native, "skinny_linear", lambda x, w: calls.append((tuple(x.shape), w.shape[0])) or real(x, w))
+    real = native.skinny_product
+    monkeypatch.setattr(native, "skinny_product", lambda x, w: calls.append((tuple(x.shape), w.shape[0])) or real(x, w))
     monkeypatch.setattr(native, "HEAD_ELEMENTS", 4096 * 64)
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(4096, 64, generator=generator)  # a "head" under the patched threshold
@@ -230,3 +230,13 @@ def test_attention_refuses_bad_shapes():
     with pytest.raises(ValueError, match=r"must be int64 \[R\] = \[2\]"):
         native.attention(torch.zeros(2, 64), torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
                          torch.ones(8), None, None, 1e-6, 2, 1, keys, keys.clone(), None, 1.0, 2)
+
+
+@needs_kernel
+def test_residual_norm_refuses_rows_it_would_overrun():
+    """The C loop works on 8-float lanes: D % 8 != 0 must be refused, not read past the row."""
+    x, a = torch.randn(2, 12), torch.randn(2, 12)
+    with pytest.raises(ValueError, match=r"D % 8 == 0 \(got \(12,\), D=12\)"):
+        native.residual_norm(x, a, torch.ones(12), None, 1e-6)
+    with pytest.raises(ValueError, match=r"scales \[D\]"):
+        native.residual_norm(torch.randn(2, 16), torch.randn(2, 16), torch.ones(8), None, 1e-6)

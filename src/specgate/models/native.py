@@ -334,6 +334,14 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
+def _require(fallback: str) -> ctypes.CDLL:
+    """The loaded library, or ValueError naming why it is missing and what to use instead."""
+    library = _library()
+    if library is None:
+        raise ValueError(f"the native kernel is not available here (no C compiler, no AVX2/FMA, or SPECGATE_NATIVE=0): use {fallback}")
+    return library
+
+
 def available() -> bool:
     """True where the kernel is built and loaded (x86-64 with AVX2 and FMA, a C compiler, SPECGATE_NATIVE != 0)."""
     return _library() is not None
@@ -362,9 +370,7 @@ def applies(x: Tensor, weight: Tensor) -> bool:
 
 def skinny_linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [R, K] @ weight [N, K]^T -> [R, N] float32, W's rows split over torch's OpenMP threads."""
-    library = _library()
-    if library is None:
-        raise ValueError("the native kernel is not available here (no C compiler, no AVX2/FMA, or SPECGATE_NATIVE=0): use linear()")
+    library = _require("linear()")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [R, K] and [N, K]")
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape[1] % 8 or not weight.is_contiguous():
@@ -372,7 +378,13 @@ def skinny_linear(x: Tensor, weight: Tensor) -> Tensor:
             f"skinny_linear needs float32 tensors, a contiguous weight and K % 8 == 0 (got {x.dtype}, {weight.dtype}, "
             f"K={weight.shape[1]}, contiguous={weight.is_contiguous()})"
         )
-    x = x.contiguous()
+    return skinny_product(x.contiguous(), weight, library)
+
+
+def skinny_product(x: Tensor, weight: Tensor, library: ctypes.CDLL | None = None) -> Tensor:
+    """skinny_linear without its checks, for a caller that made them (transformer.linear after applies(): a decode
+    step's ~70 products are not validated twice). x [R, K] contiguous."""
+    library = library or _library()
     rows, k = x.shape
     out = torch.empty(rows, weight.shape[0], dtype=torch.float32)  # [R, N]
     # one call (ctypes drops the GIL) whose OpenMP loop runs on torch's own OpenMP threads
@@ -400,9 +412,7 @@ def norm_applies(x: Tensor, scale: Tensor) -> bool:
 def rms_norm(x: Tensor, scale: Tensor, eps: float) -> Tensor:
     """x [..., D] / sqrt(mean(x^2, -1) + eps) * scale [D] -> float32 [..., D], like F.rms_norm(x, (D,), scale, eps)
     in one call instead of ~8 small torch ops (a Gemma-3-270M decode step has 109 norms)."""
-    library = _library()
-    if library is None:
-        raise ValueError("the native kernel is not available here (no C compiler, no AVX2/FMA, or SPECGATE_NATIVE=0): use F.rms_norm")
+    library = _require("F.rms_norm")
     if x.dtype != torch.float32 or scale.dtype != torch.float32 or scale.dim() != 1 or x.shape[-1] != scale.shape[0]:
         raise ValueError(f"rms_norm needs float32 x [..., D] and scale [D] (got {x.dtype} {tuple(x.shape)}, {scale.dtype} {tuple(scale.shape)})")
     if scale.shape[0] % 8:
@@ -417,11 +427,14 @@ def rms_norm(x: Tensor, scale: Tensor, eps: float) -> Tensor:
 def residual_norm(x: Tensor, a: Tensor, scale: Tensor, next_scale: Tensor | None, eps: float) -> Tensor | None:
     """Gemma's residual step in one call: x += rms_norm(a) * scale, IN PLACE on x (contiguous float32 [..., D]),
     and, with next_scale, returns rms_norm(x) * next_scale (the next sub-layer's input norm); else None."""
-    library = _library()
-    if library is None:
-        raise ValueError("the native kernel is not available here (no C compiler, no AVX2/FMA, or SPECGATE_NATIVE=0)")
+    library = _require("x + F.rms_norm(a, ...)")
     if not (x.is_contiguous() and x.dtype == torch.float32 and a.shape == x.shape):
         raise ValueError(f"residual_norm needs a contiguous float32 x and a of the same shape (got {tuple(x.shape)}, {tuple(a.shape)})")
+    for norm_scale in (scale,) if next_scale is None else (scale, next_scale):
+        if norm_scale.dtype != torch.float32 or not norm_scale.is_contiguous() or norm_scale.shape != (x.shape[-1],) or x.shape[-1] % 8:
+            raise ValueError(
+                f"residual_norm needs contiguous float32 scales [D] with D % 8 == 0 (got {tuple(norm_scale.shape)}, D={x.shape[-1]})"
+            )
     a = a.contiguous()
     out = torch.empty_like(x) if next_scale is not None else None
     library.residual_norm(
@@ -469,11 +482,11 @@ def attention(
     KVCache); kv_length: the highest position + 1 (sizes the work). Writes each non-pad row's k, v at (slot,
     position), then attends causally (and within `window` positions on a sliding layer). Returns [R, H_q D]
     float32 (zeros for padding rows)."""
-    library = _library()
-    if library is None:
-        raise ValueError("the native kernel is not available here (no C compiler, no AVX2/FMA, or SPECGATE_NATIVE=0)")
+    library = _require("the torch attention path")
     rows, width = qkv.shape
     head_dim = keys.shape[-1]
+    if head_dim % 16 or head_dim > 1024:
+        raise ValueError(f"head_dim={head_dim} is not served: the C attention path needs head_dim % 16 == 0 and <= 1024")
     if width != (num_heads + 2 * num_kv_heads) * head_dim or not qkv.is_contiguous() or qkv.dtype != torch.float32:
         raise ValueError(f"qkv {tuple(qkv.shape)} must be contiguous float32 [R, (H_q + 2 H_kv) D] = [R, {(num_heads + 2 * num_kv_heads) * head_dim}]")
     if positions.shape != (rows,) or slots.shape != (rows,) or positions.dtype != torch.int64 or slots.dtype != torch.int64:
@@ -500,9 +513,7 @@ def attention(
 def read_sum(x: Tensor) -> float:
     """The sum of a contiguous float32 tensor whose size is a multiple of 64, read with AVX2 on torch's OpenMP
     threads: bench/bench_perf.py's bandwidth probe (a plain streaming read; torch's own sum is slower here)."""
-    library = _library()
-    if library is None:
-        raise ValueError("the native kernel is not available here (no C compiler, no AVX2/FMA, or SPECGATE_NATIVE=0)")
+    library = _require("torch.sum")
     if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() % 64:
         raise ValueError(f"read_sum needs a contiguous float32 tensor of a multiple of 64 elements (got {x.dtype}, {x.numel()})")
     return library.read_sum(x.data_ptr(), x.numel(), torch.get_num_threads())

@@ -196,7 +196,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     if weight.dtype == torch.float32:
         if native.applies(x, weight):  # decode / verification rows: the weight read once (specgate.models.native)
-            out = native.skinny_linear(x.reshape(rows, x.shape[-1]), weight)  # [R, N]
+            out = native.skinny_product(x.reshape(rows, x.shape[-1]).contiguous(), weight)  # [R, N]; applies() checked
             if bias is not None:
                 out = out + bias
             return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -265,7 +265,7 @@ class RMSNorm(nn.Module):
                     return native.rms_norm(x, scale, self.eps)
                 return F.rms_norm(x, shape, scale, self.eps)
             return F.rms_norm(x.float(), shape, self._gemma_scale(), self.eps).type_as(x)
-        if x.dtype == self.weight.dtype == torch.float32 and _inference(x, self.weight) and native.norm_applies(x, self.weight):
+        if _inference(x, self.weight) and native.norm_applies(x, self.weight):  # float32 decode rows: one C call
             return native.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
@@ -555,6 +555,7 @@ class CausalLM(nn.Module):
         rows = positions.numel()
         native_path = (  # decode / verification rows of a float32 model in inference: the C attention path
             self.dtype == torch.float32
+            and self.args.hidden_size % 8 == 0  # residual_norm works on 8-float lanes
             and _inference(self.embed_tokens.weight)
             and native.attention_applies(rows, self.args.head_dim, cache.keys[0])
         )
