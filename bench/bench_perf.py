@@ -2,31 +2,37 @@
 
 Sections (all but demo_rss run by default; pick with --sections):
 - bandwidth: a memory-bandwidth probe: sum (read) and copy (read + write) of a tensor far larger than the caches,
-  GB/s = bytes moved / median wall time.
+  GB/s = bytes moved / median wall time; the read is the fastest of torch's sum and an AVX2 sum with and
+  without software prefetch.
 - floor: bytes of weights a batch-1 decode step reads per model and dtype (every layer weight, the full LM head
   (Gemma-3-270M's tied 262k-row head is read in full each step), the KV cache up to the step's position; one
   embedding row), the floor = bytes / read bandwidth, and the measured batch-1 step of specgate's runtime as a
-  multiple of it (median of --steps decode steps at position --position).
+  multiple of it (median of --steps decode steps at position --position, in --rounds rounds of probe + steps);
+  also the step through torch's ops instead of the C path, and the step's products alone, one by one.
+  bfloat16 here means bf16 weights computed in float32 (CausalLM.compute_dtype); transformers' bf16 computes in
+  bf16: both read the same weight bytes.
 - decode: own target-only decode (specgate.engine.generate, --draft none) vs transformers greedy
   `generate(do_sample=False)` on the same weights, same dtype, same prompt, tokens/s and the ratio.
 - ngram: the own n-gram lane (prompt lookup) vs transformers `generate(prompt_lookup_num_tokens=gamma)` on the
-  same input-grounded prompt (examples/prompts/rewrite_code.txt), same dtype; the measured speedup of the n-gram
-  lane over the own baseline against Leviathan's prediction S = (1 - a^(g+1)) / ((1 - a)(g c + 1)) from the
-  measured alpha and c (c = draft ms per drafted token / the baseline's target ms per step); whether the
-  speculative output equals target-only greedy token for token (in bf16 a multi-token verify pass and a 1-token
-  pass may round differently, so this is measured, not assumed).
-- head: the LM-head product alone (a float32 262,144 x 640 weight, Gemma-3-270M's shape) times R = 1..20 rows, by
-  each formulation the runtime could use: F.linear (MKL), oneDNN's inner product, specgate's native kernel
-  (specgate.models.native); median ms of --steps calls per R, the three interleaved (not with --dtypes: float32).
+  same input-grounded prompt (examples/prompts/rewrite_code.txt), same dtype, plus an own draft-model lane
+  (--theory-draft, default: the target's default draft, gamma --theory-draft-gamma). Every lane runs
+  --lane-repeats times, interleaved; each lane's median run is reported. The theory: each speculative lane's
+  measured speedup over the own baseline (decode phase and end to end) against the analytical model fed with
+  what was measured (alpha, c, the draft lengths that ran, the verification cost V(t) of the runtime's own
+  t-token passes): Leviathan's S as written, over the lengths that ran, and with V(t) (theory_comparison).
+  Whether the speculative output equals target-only greedy token for token is measured, not assumed.
+- head: the LM-head product alone (a 262,144 x 640 weight, Gemma-3-270M's shape) times R = 1..20 rows, by each
+  formulation the runtime could use: F.linear (MKL), oneDNN's inner product, specgate's native kernel with
+  float32 and with bf16 weights (specgate.models.native); median ms of --steps calls per R, interleaved.
 - layers: Gemma-3-270M's 18 layers' products (fused q/k/v 1536 x 640, o 640 x 1024, fused gate/up 4096 x 640, down
-  640 x 2048, float32, 18 distinct copies of each so that every product reads its weight from memory as a decode
-  step does) times R = 1..64 rows, oneDNN's inner product vs the native kernel: median ms of --steps sweeps of all
-  72 products (not with --dtypes: float32).
+  640 x 2048, 18 distinct copies of each so that every product reads its weight from memory as a decode step
+  does) times R = 1..64 rows, oneDNN's inner product (float32) vs the native kernel (float32, bf16): median ms
+  of --steps sweeps of all 72 products.
 - demo_rss: peak resident memory of each command of `make demo` (read from the Makefile; /usr/bin/time -v,
   else getrusage).
 
 Every ratio comes from one run in one process. Run heavy: `flock /tmp/specgate-heavy.lock .venv/bin/python
-bench/bench_perf.py [--dtypes float32,bfloat16] [--max-new-tokens 64] [--gamma 8] [--json-out FILE]`.
+bench/bench_perf.py [--dtypes bfloat16,float32] [--max-new-tokens 64] [--gamma 4] [--json-out FILE]`.
 """
 
 from __future__ import annotations
@@ -49,11 +55,11 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from specgate.drafting import NgramDrafter, NoDrafter
+from specgate.drafting import NgramDrafter, NoDrafter, make_drafter
 from specgate.engine import generate
 from specgate.models import default_dtype, load_model, native_bf16
 from specgate.sampling import SamplingParams
-from specgate.theory import speedup
+from specgate.theory import expected_tokens, speedup, speedup_over_lengths
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_FILE = ROOT / "examples" / "prompts" / "rewrite_code.txt"
@@ -97,7 +103,9 @@ def head_products(steps: int) -> list[dict[str, Any]]:
         "onednn_ms": lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""),
     }
     if native.available():
+        weight_bf16 = weight.bfloat16()  # [V, H] bf16, 335 MB: the same product reading half the bytes
         lanes["native_ms"] = lambda x: native.skinny_linear(x, weight)
+        lanes["native_bf16_ms"] = lambda x: native.skinny_linear(x, weight_bf16)
     rows_out = []
     with torch.inference_mode(), Progress(console=console, transient=True) as progress:
         task = progress.add_task("head products", total=len(HEAD_ROWS))
@@ -124,7 +132,9 @@ def layer_products(steps: int, num_layers: int = 18) -> list[dict[str, Any]]:
     weights = [torch.randn(n, k, generator=generator) for _ in range(num_layers) for n, k in LAYER_SHAPES.values()]
     lanes = {"onednn_ms": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")}
     if native.available():
+        halves = {w.data_ptr(): w.bfloat16() for w in weights}  # the same weights in bf16
         lanes["native_ms"] = native.skinny_linear
+        lanes["native_bf16_ms"] = lambda x, w: native.skinny_linear(x, halves[w.data_ptr()])
     rows_out = []
     with torch.inference_mode(), Progress(console=console, transient=True) as progress:
         task = progress.add_task("layer products", total=len(LAYER_ROWS))
@@ -147,10 +157,15 @@ def layer_products(steps: int, num_layers: int = 18) -> list[dict[str, Any]]:
 # --- bandwidth and the floor ------------------------------------------------------------------------------------
 
 
+PROBE_PREFETCH_FLOATS = 1024  # the prefetching read asks 4 KB ahead (faster than 256 B or 16 KB on the Ice Lake VM)
+
+
 def bandwidth_probe(megabytes: int = 512, repeats: int = 7) -> dict[str, float]:
-    """Read GB/s and copy GB/s (bytes read + written) over `megabytes` MB. Read: the faster of torch's sum and a
-    plain AVX2 streaming sum on torch's threads (specgate.models.native.read_sum); torch's sum alone reads
-    ~20-30% below what the machine delivers here, which would put the floor too high (too easy to meet)."""
+    """Read GB/s and copy GB/s (bytes read + written) over `megabytes` MB. Read: the fastest of torch's sum, a
+    plain AVX2 streaming sum on torch's threads and the same sum with software prefetch 4 KB ahead
+    (specgate.models.native.read_sum); each alone can read below what the machine delivers (torch's sum by 20-30%
+    on the AMD VM, the plain sum by ~10% on the Ice Lake VM, where the runtime's prefetching kernel read faster
+    than it), which would put the floor too high (too easy to meet)."""
     from specgate.models import native
 
     source = torch.ones(megabytes * (1 << 20) // 4)  # [N] float32
@@ -160,9 +175,11 @@ def bandwidth_probe(megabytes: int = 512, repeats: int = 7) -> dict[str, float]:
     torch_read_gb_s = nbytes / median_s(lambda: source.sum(), repeats) / 1e9
     out = {"megabytes": megabytes, "torch_sum_read_gb_s": torch_read_gb_s, "read_gb_s": torch_read_gb_s}
     if native.available():
-        native.read_sum(source)
-        out["native_read_gb_s"] = nbytes / median_s(lambda: native.read_sum(source), repeats) / 1e9
-        out["read_gb_s"] = max(torch_read_gb_s, out["native_read_gb_s"])
+        reads = {"native_read_gb_s": 0, "native_prefetch_read_gb_s": PROBE_PREFETCH_FLOATS}
+        for key, prefetch in reads.items():
+            native.read_sum(source, prefetch)
+            out[key] = nbytes / median_s(lambda: native.read_sum(source, prefetch), repeats) / 1e9
+        out["read_gb_s"] = max(torch_read_gb_s, *(out[key] for key in reads))
     out["copy_gb_s"] = 2 * nbytes / median_s(lambda: target.copy_(source), repeats) / 1e9
     return out
 
@@ -249,31 +266,31 @@ def floor_rounds(model: Any, args: argparse.Namespace, probe: bool) -> dict[str,
             progress.advance(task)
     median = {key: sorted(r[key] for r in rounds)[len(rounds) // 2] for key in rounds[0]}
     return {"bytes_per_step": nbytes, "verify_tokens": verify_tokens, "rounds": rounds, **median,
-            "glue_step_ms": glue_step_ms(model, forwards["step_ms"], args.steps)}
+            "products_ms": products_ms(model, args.steps)}
 
 
-def glue_step_ms(model: Any, forward, steps: int) -> float | None:
-    """Median ms of the same 1-token step with every native product replaced by its own output, computed once
-    beforehand: what the step costs besides reading the weights (norms, RoPE, attention, Python, small ops).
-    A measurement device only: the logits of such a step are stale."""
+def products_ms(model: Any, steps: int) -> float | None:
+    """Median ms of one batch-1 step's matrix products alone, called one by one on the model's own weights (every
+    layer's fused q/k/v, o, fused gate/up and down, then the head) through the native kernel, each weight read
+    from memory as in a step: step - this is what a step spends besides streaming its weights (norms, RoPE,
+    attention, the embedding row, dispatch). None without the kernel."""
     from specgate.models import native
 
     if not native.available():
         return None
-    real, outputs = native.skinny_product, {}
+    weights = []
+    for block in model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        weights += [attn.fused.get()[0], attn.o_proj.weight, mlp.fused.get()[0], mlp.down_proj.weight]
+    weights.append(model.lm_head.weight)
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}  # [1, K]
 
-    def cached(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        key = (tuple(x.shape), weight.data_ptr())
-        if key not in outputs:
-            outputs[key] = real(x, weight)
-        return outputs[key]
+    def products() -> None:
+        for weight in weights:
+            native.skinny_linear(inputs[weight.shape[1]], weight)
 
-    native.skinny_product = cached
-    try:
-        forward()  # fill the cache
-        return 1e3 * median_s(forward, steps)
-    finally:
-        native.skinny_product = real
+    products()
+    return 1e3 * median_s(products, steps)
 
 
 # --- lanes ------------------------------------------------------------------------------------------------------
@@ -324,13 +341,21 @@ def run_dtype(dtype: torch.dtype, args: argparse.Namespace, bandwidth: dict[str,
     if "ngram" in sections:
         lanes["own n-gram"] = lambda n: own_lane(target, NgramDrafter(), args.gamma, prompt, n)
         lanes["transformers prompt lookup"] = lambda n: hf_lane(hf_model, tokenizer, prompt, n, args.gamma)
+    if "ngram" in sections and args.theory_draft != "none":  # the theory section's second drafter
+        console.print(f"{name}: loading the draft model {args.theory_draft!r} (gamma {args.theory_draft_gamma})")
+        drafter = make_drafter(args.theory_draft, target, dtype=dtype)
+        lanes["own draft model"] = lambda n: own_lane(target, drafter, args.theory_draft_gamma, prompt, n)
     for lane_name, lane in lanes.items():  # warm-up: first-call allocations and kernels out of the timed runs
         console.print(f"{name}: warm-up {lane_name}")
         lane(4)
-    results = {}
-    for lane_name, lane in lanes.items():
-        console.print(f"{name}: {lane_name}, {args.max_new_tokens} new tokens")
-        results[lane_name] = lane(args.max_new_tokens)
+    runs: dict[str, list[dict[str, Any]]] = {lane_name: [] for lane_name in lanes}
+    with Progress(console=console, transient=True) as progress:  # interleaved: a slow phase hits every lane alike
+        task = progress.add_task(f"{name}: lanes x {args.lane_repeats}, {args.max_new_tokens} new tokens", total=args.lane_repeats * len(lanes))
+        for _ in range(args.lane_repeats):
+            for lane_name, lane in lanes.items():
+                runs[lane_name].append(lane(args.max_new_tokens))
+                progress.advance(task)
+    results = {lane_name: sorted(r, key=lambda run: run["wall_s"])[len(r) // 2] for lane_name, r in runs.items()}  # the median run
     speed = {lane_name: tokens_per_s(r) for lane_name, r in results.items()}
     baseline = results["own baseline"]
     cpu_speed = {lane_name: len(r["tokens"]) / r["cpu_s"] for lane_name, r in results.items()}
@@ -345,45 +370,84 @@ def run_dtype(dtype: torch.dtype, args: argparse.Namespace, bandwidth: dict[str,
     base_stats = baseline["stats"]
     out["own_baseline_ms_per_step"] = base_stats.verify_ms_total / base_stats.iterations
     if "ngram" in sections:
-        stats = results["own n-gram"]["stats"]
-        alpha = stats.measured_alpha
-        c = (stats.draft_ms_total / stats.drafted_tokens) / out["own_baseline_ms_per_step"] if stats.drafted_tokens else None
-        predicted = float(speedup(alpha, args.gamma, c)) if alpha is not None and c is not None else None
-        measured = speed["own n-gram"] / speed["own baseline"]
-        # Leviathan's model prices a verification step like a 1-token step. On a CPU a (gamma+1)-token step costs
-        # more; folding that growth into c (per drafted token) gives the prediction the engine can be held to.
-        verify_growth = stats.verify_ms_total / stats.iterations / out["own_baseline_ms_per_step"] - 1.0
-        c_effective = (c or 0.0) + verify_growth / args.gamma
-        predicted_effective = float(speedup(alpha, args.gamma, c_effective)) if alpha is not None else None
         out["cpu_time_ratios"].update({
             "own n-gram / transformers prompt lookup": cpu_speed["own n-gram"] / cpu_speed["transformers prompt lookup"],
             "own n-gram / own baseline": cpu_speed["own n-gram"] / cpu_speed["own baseline"],
         })
         out["ratios"].update({
             "own n-gram / transformers prompt lookup": speed["own n-gram"] / speed["transformers prompt lookup"],
-            "own n-gram / own baseline (measured speedup)": measured,
+            "own n-gram / own baseline (measured speedup)": speed["own n-gram"] / speed["own baseline"],
             "transformers prompt lookup / transformers greedy": speed["transformers prompt lookup"] / speed["transformers greedy"],
         })
-        # the decode phase alone (prefill excluded from both lanes), against what the measured tokens per step and
-        # the measured step costs account for: what is left between them is the engine's own per-step work
-        ngram = results["own n-gram"]
-        decode_s_per_token = {name: (r["wall_s"] - r["stats"].prefill_ms / 1e3) / len(r["tokens"])  # prefill emits none
-                              for name, r in (("baseline", baseline), ("ngram", ngram))}
-        decode_speedup = decode_s_per_token["baseline"] / decode_s_per_token["ngram"]
-        accounted = stats.acceptance_length * out["own_baseline_ms_per_step"] / (stats.verify_ms_total / stats.iterations)
-        out["theory"] = {
-            "decode_phase_speedup": decode_speedup, "accounted_speedup": accounted,
-            "decode_phase_over_accounted": decode_speedup / accounted,
-            "gamma": args.gamma, "measured_alpha": alpha, "c": c, "predicted_speedup": predicted,
-            "measured_speedup": measured, "measured_over_predicted": measured / predicted if predicted else None,
-            "c_effective": c_effective, "predicted_speedup_effective_c": predicted_effective,
-            "measured_over_predicted_effective_c": measured / predicted_effective if predicted_effective else None,
-            "acceptance_length": stats.acceptance_length, "drafted_tokens": stats.drafted_tokens,
-            "iterations": stats.iterations, "verify_ms_per_step": stats.verify_ms_total / stats.iterations,
-            "baseline_verify_ms_per_step": out["own_baseline_ms_per_step"],
-        }
+        spec_lanes = {"ngram": results["own n-gram"]}
+        if "own draft model" in results:
+            spec_lanes["draft model"] = results["own draft model"]
+        widest = max(args.gamma, args.theory_draft_gamma) + 1
+        position = base_stats.prompt_tokens + args.max_new_tokens // 2  # the middle of the decode
+        console.print(f"{name}: target passes of 1..{widest} tokens at position {position} (the verification cost)")
+        verify_cost, pass_ms = verification_cost(target.model, position, widest, args.verify_steps, args.rounds)
+        out["verification_cost"] = {"position": position, "tokens": list(range(1, widest + 1)), "ms": pass_ms, "over_one_token": verify_cost}
+        out["theory"] = {lane: theory_comparison(r, baseline, verify_cost, args.gamma if lane == "ngram" else args.theory_draft_gamma)
+                         for lane, r in spec_lanes.items()}
     del hf_model
     return out
+
+
+def verification_cost(model: Any, position: int, widest: int, steps: int, rounds: int) -> tuple[list[float], list[float]]:
+    """V(t), t = 1..widest: what a batch-1 target pass of t tokens at `position` costs in 1-token passes. The
+    runtime alone, no engine: what the hardware charges for verifying t - 1 drafts. In `rounds` rounds, each the
+    median ms of `steps` passes per t, the t interleaved; V is the median over rounds of each round's ratios, so a
+    slow phase of this shared machine (which moves a round's passes together) does not skew it. Returns (V, ms)."""
+    forwards = [step_forward(model, position, t) for t in range(1, widest + 1)]
+    for forward in forwards:
+        forward()  # warm-up
+    round_ms = []
+    for _ in range(rounds):
+        times: list[list[float]] = [[] for _ in forwards]
+        for _ in range(steps):
+            for t, forward in enumerate(forwards):
+                start = time.perf_counter()
+                forward()
+                times[t].append(1e3 * (time.perf_counter() - start))
+        round_ms.append([sorted(t)[len(t) // 2] for t in times])
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    ratios = [median([ms[t] / ms[0] for ms in round_ms]) for t in range(widest)]
+    return ratios, [median([ms[t] for ms in round_ms]) for t in range(widest)]
+
+
+def theory_comparison(lane: dict[str, Any], baseline: dict[str, Any], verify_cost: list[float], gamma: int) -> dict[str, Any]:
+    """The measured speedup of a speculative lane over the own baseline against the analytical model, fed only with
+    what was measured: alpha (the MLE accepted / (accepted + rejections)), c (the drafter's ms per drafted token
+    over the baseline's ms per target step), the draft lengths of the steps that ran, and V(t) from the runtime's
+    own passes (verification_cost). Three predictions, each adding one measured fact to Leviathan's S:
+    - leviathan: S = E[T](alpha, gamma) / (gamma c + 1): every step drafts gamma tokens and a verification pass
+      costs one target pass;
+    - lengths: the same model over the draft lengths that ran (theory.speedup_over_lengths);
+    - lengths_and_verify_cost: and each pass of t tokens priced at V(t).
+    Measured: the decode phase (prefill excluded from both lanes; the model is one of decoding) and, for
+    context, end to end. What separates the last prediction from the decode-phase measurement is the engine's
+    own work per step (drafting, sampling, bookkeeping) and how far acceptance is from i.i.d."""
+    stats, base = lane["stats"], baseline["stats"]
+    base_step_ms = base.verify_ms_total / base.iterations
+    alpha = stats.measured_alpha
+    c = (stats.draft_ms_total / stats.drafted_tokens) / base_step_ms if stats.drafted_tokens else 0.0
+    decode_s_per_token = {name: (r["wall_s"] - r["stats"].prefill_ms / 1e3) / len(r["tokens"]) for name, r in (("base", baseline), ("lane", lane))}
+    measured = {"decode_phase": decode_s_per_token["base"] / decode_s_per_token["lane"], "end_to_end": tokens_per_s(lane) / tokens_per_s(baseline)}
+    predicted = {
+        "leviathan": float(speedup(alpha, gamma, c)),
+        "lengths": speedup_over_lengths(alpha, stats.steps_by_draft_length, c),
+        "lengths_and_verify_cost": speedup_over_lengths(alpha, stats.steps_by_draft_length, c, verify_cost=verify_cost),
+    }
+    return {
+        "gamma": gamma, "alpha": alpha, "acceptance_rate": stats.acceptance_rate, "c": c, "acceptance_length": stats.acceptance_length,
+        "expected_tokens_at_gamma": float(expected_tokens(alpha, gamma)) if alpha is not None else None,
+        "mean_draft_length": stats.drafted_tokens / stats.iterations, "steps_by_draft_length": stats.steps_by_draft_length,
+        "iterations": stats.iterations, "baseline_ms_per_step": base_step_ms, "verify_ms_per_step": stats.verify_ms_total / stats.iterations,
+        "measured": measured, "predicted": predicted,
+        "decode_phase_over_predicted": {key: measured["decode_phase"] / value for key, value in predicted.items()},
+        "end_to_end_over_predicted": {key: measured["end_to_end"] / value for key, value in predicted.items()},
+        "same_tokens_as_baseline": lane["tokens"] == baseline["tokens"],
+    }
 
 
 # --- make demo ---------------------------------------------------------------------------------------------------
@@ -426,7 +490,8 @@ def print_markdown(report: dict[str, Any]) -> None:
     if "bandwidth" in report:
         b = report["bandwidth"]
         print(f"bandwidth probe ({b['megabytes']} MB): read {b['read_gb_s']:.1f} GB/s (torch sum {b['torch_sum_read_gb_s']:.1f}, "
-              f"AVX2 sum {b.get('native_read_gb_s', float('nan')):.1f}), copy {b['copy_gb_s']:.1f} GB/s\n")
+              f"AVX2 sum {b.get('native_read_gb_s', float('nan')):.1f}, with prefetch {b.get('native_prefetch_read_gb_s', float('nan')):.1f}), "
+              f"copy {b['copy_gb_s']:.1f} GB/s\n")
     rows = [(d, r) for d, r in report["dtypes"].items()]
     if any("floor" in r for _, r in rows):
         print("Medians over rounds (each round: probe, then the steps, back to back):")
@@ -444,9 +509,9 @@ def print_markdown(report: dict[str, Any]) -> None:
             if f and "floor_ms" in f:
                 print(f"{d}: step / floor per round: " + ", ".join(f"{row['step_over_floor']:.2f}x" for row in f["rounds"]) +
                       "; verify / step per round: " + ", ".join(f"{row['verify_over_step']:.2f}x" for row in f["rounds"]))
-                if f.get("glue_step_ms") is not None:
-                    print(f"{d}: the step without its products (each replaced by its precomputed output): {f['glue_step_ms']:.1f} ms "
-                          f"of {f['step_ms']:.1f}")
+                if f.get("products_ms") is not None:
+                    print(f"{d}: the step's products alone, one by one: {f['products_ms']:.1f} ms of the {f['step_ms']:.1f} ms step "
+                          f"(the rest, {f['step_ms'] - f['products_ms']:.1f} ms: norms, RoPE, attention, embedding, dispatch)")
         print()
     if any("lanes" in r for _, r in rows):
         names = list(next(r for _, r in rows if "lanes" in r)["lanes"])
@@ -461,18 +526,23 @@ def print_markdown(report: dict[str, Any]) -> None:
                 print(f"{d}: " + "; ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items()))
                 print(f"{d}: by CPU seconds: " + "; ".join(f"{k} {v:.2f}x" for k, v in r["cpu_time_ratios"].items()))
                 print(f"{d}: same tokens as own baseline: " + ", ".join(f"{n} {r['lanes'][n]['same_tokens_as_own_baseline']}" for n in names))
-                if "theory" in r:
-                    t = r["theory"]
-                    print(f"{d}: theory: alpha {t['measured_alpha']:.3f}, c {t['c']:.4f}, gamma {t['gamma']}, predicted {t['predicted_speedup']:.2f}x, "
-                          f"measured {t['measured_speedup']:.2f}x ({t['measured_over_predicted']:.2f} of predicted); with the verify step's growth in c: "
-                          f"c_eff {t['c_effective']:.3f}, predicted {t['predicted_speedup_effective_c']:.2f}x, measured/predicted {t['measured_over_predicted_effective_c']:.2f}; AL {t['acceptance_length']:.2f}, "
-                          f"verify ms/step {t['verify_ms_per_step']:.1f} vs baseline {t['baseline_verify_ms_per_step']:.1f}")
-                    print(f"{d}: decode phase (prefill excluded): measured {t['decode_phase_speedup']:.2f}x; AL x baseline step / verify step "
-                          f"= {t['accounted_speedup']:.2f}x; measured / that {t['decode_phase_over_accounted']:.2f} (the rest is the engine's own work)")
+                if "verification_cost" in r:
+                    v = r["verification_cost"]
+                    print(f"{d}: verification cost V(t) at position {v['position']}: " +
+                          ", ".join(f"t={t} {ms:.1f} ms ({ratio:.2f}x)" for t, ms, ratio in zip(v["tokens"], v["ms"], v["over_one_token"])))
+                for lane, t in r.get("theory", {}).items():
+                    p, m = t["predicted"], t["measured"]
+                    print(f"{d}: theory, {lane} (gamma {t['gamma']}): alpha {t['alpha']:.3f} (AR {t['acceptance_rate']:.3f}), c {t['c']:.4f}, "
+                          f"AL {t['acceptance_length']:.2f} vs E[T] {t['expected_tokens_at_gamma']:.2f}, mean draft length {t['mean_draft_length']:.2f}, "
+                          f"steps by draft length {t['steps_by_draft_length']}")
+                    print(f"{d}:   measured speedup: decode phase {m['decode_phase']:.2f}x, end to end {m['end_to_end']:.2f}x; predicted: "
+                          f"Leviathan {p['leviathan']:.2f}x, over the lengths that ran {p['lengths']:.2f}x, and with V(t) {p['lengths_and_verify_cost']:.2f}x")
+                    print(f"{d}:   decode phase / predicted: " + ", ".join(f"{k} {v:.2f}" for k, v in t["decode_phase_over_predicted"].items()) +
+                          "; end to end / predicted: " + ", ".join(f"{k} {v:.2f}" for k, v in t["end_to_end_over_predicted"].items()))
         print()
     for section in ("head", "layers"):
         if report.get(section):
-            names = [name for name in ("f_linear_ms", "onednn_ms", "native_ms") if name in report[section][0]]
+            names = [name for name in ("f_linear_ms", "onednn_ms", "native_ms", "native_bf16_ms") if name in report[section][0]]
             print(f"{section}:\n| rows | " + " | ".join(names) + " |")
             print("|" + "---|" * (len(names) + 1))
             for row in report[section]:
@@ -489,6 +559,10 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=8, help="n-gram draft length and transformers' prompt_lookup_num_tokens")
+    parser.add_argument("--verify-steps", type=int, default=7, help="theory: passes per token count per round of the verification cost")
+    parser.add_argument("--lane-repeats", type=int, default=3, help="runs of each lane, interleaved; each lane's median run is reported")
+    parser.add_argument("--theory-draft", default="default", help="draft model of the theory section's second lane ('none': n-gram only)")
+    parser.add_argument("--theory-draft-gamma", type=int, default=3, help="that lane's gamma")
     parser.add_argument("--position", type=int, default=128, help="KV position of the timed batch-1 decode steps")
     parser.add_argument("--steps", type=int, default=15, help="timed decode steps (median)")
     parser.add_argument("--rounds", type=int, default=5, help="floor section: rounds of probe + steps (medians over rounds)")

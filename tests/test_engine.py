@@ -114,6 +114,8 @@ def test_stats_add_up_and_seeds_reproduce(target, draft):
     assert sum(stats.accepted_per_position) == stats.accepted_tokens
     assert all(a >= b for a, b in zip(stats.accepted_per_position, stats.accepted_per_position[1:]))
     assert stats.draft_forward_passes == stats.drafted_tokens  # one draft pass per drafted token
+    assert sum(stats.steps_by_draft_length) == stats.iterations
+    assert sum(k * n for k, n in enumerate(stats.steps_by_draft_length)) == stats.drafted_tokens
     assert math.isclose(stats.acceptance_length, (stats.accepted_tokens + stats.iterations) / stats.iterations)
     assert math.isclose(stats.acceptance_rate, stats.accepted_tokens / stats.drafted_tokens)
     assert stats.new_tokens == len(runs[0].tokens) == 40 <= stats.accepted_tokens + stats.iterations

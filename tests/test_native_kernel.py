@@ -28,25 +28,53 @@ def test_kernel_is_available_where_it_can_be_built():
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no C compiler or no AVX2/FMA on this CPU")
 
 
+HAS_AVX512 = {"avx512f", "avx512bw"} <= cpu_flags()
+VARIANTS = [pytest.param(False, id="avx2"), pytest.param(True, id="avx512", marks=pytest.mark.skipif(not HAS_AVX512, reason="no AVX-512 on this CPU"))]
+
+
+@pytest.fixture(params=VARIANTS)
+def wide(request, monkeypatch):
+    """Each test of the products runs with the AVX2 kernel and, where the CPU has AVX-512, with the AVX-512 one."""
+    monkeypatch.setattr(native, "wide_vectors", lambda: request.param)
+    return request.param
+
+
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16])
-def test_product_is_exact_up_to_float32_rounding(rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13, 16])
+def test_product_is_exact_up_to_float32_rounding(rows, dtype, wide):
+    """Against float64 on the same (bf16-rounded) weights: a bf16 weight is widened exactly, products and sums are
+    float32 (K eps sum |x w| bounds the summation error)."""
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(4099, 64, generator=generator)  # N = 4 * 1024 + 3: a 3-row tail block
+    weight = torch.randn(4099, 64, generator=generator).to(dtype)  # N = 4 * 1024 + 3: a 3-row tail block
     x = torch.randn(rows, 64, generator=generator)
     out = native.skinny_linear(x, weight)
     exact = x.double() @ weight.double().t()  # [R, N]
     bound = 64 * 2**-23 * (x.double().abs() @ weight.double().abs().t())  # K eps sum |x w|
-    assert out.shape == (rows, 4099) and ((out.double() - exact).abs() <= bound).all()
+    assert out.shape == (rows, 4099) and out.dtype == torch.float32 and ((out.double() - exact).abs() <= bound).all()
 
 
 @needs_kernel
-def test_each_row_is_bit_identical_alone_and_in_a_batch():
+def test_exactness_bound_catches_a_wrong_product():
+    """Negative control: the bound of the test above fails for a product with the weight's last column dropped."""
+    generator = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(64, 64, generator=generator), torch.randn(3, 64, generator=generator)
+    truncated = weight.clone()
+    truncated[:, -8:] = 0
+    out = native.skinny_linear(x, truncated)
+    exact = x.double() @ weight.double().t()
+    bound = 64 * 2**-23 * (x.double().abs() @ weight.double().abs().t())
+    assert not ((out.double() - exact).abs() <= bound).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_is_bit_identical_alone_and_in_a_batch(dtype, wide):
     generator = torch.Generator().manual_seed(7)
-    weight = torch.randn(2050, 640, generator=generator)
+    weight = torch.randn(2050, 640, generator=generator).to(dtype)
     x = torch.randn(16, 640, generator=generator)
     together = native.skinny_linear(x, weight)  # [16, N]
-    for count in (1, 2, 5, 9):
+    for count in (1, 2, 5, 6, 7, 9, 12):
         part = native.skinny_linear(x[:count], weight)
         assert torch.equal(part, together[:count])
     for row in range(16):
@@ -98,6 +126,8 @@ def test_bad_input_is_refused_with_the_reason():
         native.skinny_linear(torch.randn(2, 12), torch.randn(8, 12))
     with pytest.raises(ValueError, match=r"float32"):
         native.skinny_linear(torch.randn(2, 16).double(), torch.randn(8, 16).double())
+    with pytest.raises(ValueError, match=r"float32 x, a float32 or bfloat16"):
+        native.skinny_linear(torch.randn(2, 16).bfloat16(), torch.randn(8, 16).bfloat16())
 
 
 def test_switch_off_by_environment(monkeypatch):
@@ -159,53 +189,70 @@ def _ragged_logits(model, history_len: dict[int, int], new_len: dict[int, int], 
 
 
 @needs_kernel
-@pytest.mark.parametrize("family", ["gemma3", "llama", "mistral"])
-def test_native_attention_path_equals_the_torch_path(tiny_model_dir, monkeypatch, family):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["gemma3", "llama", "mistral", "qwen2"])
+def test_native_paths_equal_the_torch_path(tiny_model_dir, monkeypatch, family, dtype):
     """A ragged batch (GQA, rows past the sliding window, different starts and lengths, padding, slots out of order)
-    scored through the C path (norms, RoPE, cache write, attention) equals torch's path (F.rms_norm, apply_rope,
-    index_put, SDPA) to float32 rounding; a copy with the sliding window switched off in the C path must not
-    (negative control: the comparison sees a window error), nor one with a 1% error in the attention scale."""
+    scored through the whole-stack C call (native.DecodeStack) and through the per-layer C path (norms, RoPE,
+    cache write, attention as C calls between the products) equals torch's path (F.rms_norm, apply_rope, index_put,
+    SDPA) to float32 rounding, for float32 and bf16 weights (both compute in float32). Negative controls for both C
+    paths: the sliding window switched off, and a 1% error in the attention scale, must fail the comparison."""
     from specgate.models import load_model
 
-    model = load_model(str(tiny_model_dir(family)), dtype=torch.float32).model
+    model = load_model(str(tiny_model_dir(family)), dtype=dtype).model
     history, new = {0: 13, 1: 17, 2: 0}, {0: 5, 1: 3, 2: 1}
-    calls = []
-    real = native.attention
+    stack_calls, layer_calls = [], []
+    real_run, real_attention = native.DecodeStack.run, native.attention
     with torch.inference_mode():
         with monkeypatch.context() as patch:
-            patch.setattr(native, "attention", lambda *args: calls.append(args[0].shape) or real(*args))
-            fast, positions = _ragged_logits(model, history, new)
-        assert len(calls) == 3 * len(model.layers)  # two histories + the ragged call, every layer through the C path
+            patch.setattr(native.DecodeStack, "run", lambda self, *args: stack_calls.append(1) or real_run(self, *args))
+            stacked, positions = _ragged_logits(model, history, new)
+        assert len(stack_calls) == 3  # two histories + the ragged call, each one C call for all layers
+        with monkeypatch.context() as patch:
+            patch.setattr(model, "native_stack", lambda: None)
+            patch.setattr(native, "attention", lambda *args: layer_calls.append(1) or real_attention(*args))
+            per_layer, _ = _ragged_logits(model, history, new)
+        assert len(layer_calls) == 3 * len(model.layers)
         with monkeypatch.context() as patch:
             patch.setattr(native, "attention_applies", lambda *args: False)
             patch.setattr(native, "norm_applies", lambda *args: False)
             slow, _ = _ragged_logits(model, history, new)
-        wrongs = []
+
+        wrongs = []  # (path, logits) of deliberately broken models
         windowed = [block.self_attn for block in model.layers if block.self_attn.window is not None]
-        assert bool(windowed) == (family != "llama")
-        for attn in windowed:
-            attn.window, kept = None, attn.window
+        assert bool(windowed) == (family in ("gemma3", "mistral"))
+        breaks = [("scale", [block.self_attn for block in model.layers], lambda attn: setattr(attn, "scale", attn.scale * 1.01))]
         if windowed:
-            wrongs.append(_ragged_logits(model, history, new)[0])
-            for attn in windowed:
-                attn.window = kept
-        for block in model.layers:
-            block.self_attn.scale *= 1.01
-        wrongs.append(_ragged_logits(model, history, new)[0])
+            breaks.append(("window", windowed, lambda attn: setattr(attn, "window", None)))
+        for _, modules, breaking in breaks:
+            kept = [(attn.scale, attn.window) for attn in modules]
+            for attn in modules:
+                breaking(attn)
+            wrongs.append(_ragged_logits(model, history, new)[0])  # the stack (rebuilt: its fingerprint changed)
+            with monkeypatch.context() as patch:
+                patch.setattr(model, "native_stack", lambda: None)
+                wrongs.append(_ragged_logits(model, history, new)[0])  # the per-layer C path
+            for attn, (scale, window) in zip(modules, kept):
+                attn.scale, attn.window = scale, window
     valid = positions >= 0  # [B, T]
     tolerance = 1e-5 * slow[valid].abs().max().item()
-    assert (fast[valid] - slow[valid]).abs().max().item() <= tolerance
+    assert (stacked[valid] - slow[valid]).abs().max().item() <= tolerance
+    assert (per_layer[valid] - slow[valid]).abs().max().item() <= tolerance
     for wrong in wrongs:
         assert (wrong[valid] - slow[valid]).abs().max().item() > 100 * tolerance
 
 
 @needs_kernel
-def test_a_verification_pass_is_bit_identical_to_single_steps(tiny_model_dir):
-    """Batch invariance of the C path: the logits of 5 tokens scored in one call (a verification pass), with another
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stack", [True, False], ids=["stack", "per-layer"])
+def test_a_verification_pass_is_bit_identical_to_single_steps(tiny_model_dir, monkeypatch, dtype, stack):
+    """Batch invariance of the C paths: the logits of 5 tokens scored in one call (a verification pass), with another
     request's rows beside them, are bit-identical to scoring the 5 tokens one call at a time alone."""
     from specgate.models import load_model
 
-    model = load_model(str(tiny_model_dir("gemma3")), dtype=torch.float32).model
+    model = load_model(str(tiny_model_dir("gemma3")), dtype=dtype).model
+    if not stack:
+        monkeypatch.setattr(model, "native_stack", lambda: None)
     generator = torch.Generator().manual_seed(3)
     prompt, drafts, other = (torch.randint(4, 500, (1, n), generator=generator) for n in (12, 5, 9))
     with torch.inference_mode():
@@ -240,3 +287,60 @@ def test_residual_norm_refuses_rows_it_would_overrun():
         native.residual_norm(x, a, torch.ones(12), None, 1e-6)
     with pytest.raises(ValueError, match=r"scales \[D\]"):
         native.residual_norm(torch.randn(2, 16), torch.randn(2, 16), torch.ones(8), None, 1e-6)
+
+
+@needs_kernel
+def test_the_stack_follows_weight_changes(tiny_model_dir):
+    """The C stack points at the weights and at Gemma's (1 + w) norm scales: an in-place update of a projection is
+    seen at once (same storage), a changed norm weight rebuilds the stack (its scale is recomputed), and a model
+    moved to new storage drops it (the fused projections no longer alias their layers: per-layer path)."""
+    from specgate.models import load_model
+
+    model = load_model(str(tiny_model_dir("gemma3")), dtype=torch.float32).model
+    ids = torch.randint(4, 500, (1, 6), generator=torch.Generator().manual_seed(2))
+
+    def logits(use_stack: bool = True) -> torch.Tensor:
+        saved = model.native_stack
+        if not use_stack:
+            model.native_stack = lambda: None
+        try:
+            with torch.inference_mode():
+                return model(ids, torch.arange(6)[None], model.new_cache(1, 16), torch.tensor([0]))
+        finally:
+            model.native_stack = saved
+
+    first = model.native_stack()
+    assert first is not None and model.native_stack() is first  # built once, then reused
+    with torch.no_grad():
+        model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # in place: the fused tensor changes, same storage
+        model.layers[1].pre_feedforward_layernorm.weight.add_(0.25)  # a norm: (1 + w) must be recomputed
+    rebuilt = model.native_stack()
+    assert rebuilt is not None and rebuilt is not first
+    assert torch.allclose(logits(), logits(use_stack=False), atol=1e-5, rtol=1e-5)
+    model.to(torch.float64).to(torch.float32)  # new storage everywhere: the fused views are stale
+    assert model.native_stack() is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 262144), (5, 4099), (3, 7), (2, 8), (1, 1), (17, 1000), (2, 3, 515), (0, 9), (2, 0, 9)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_argmax_and_amax_equal_torchs(shape, threads):
+    """The verifier's argmax and the scheduler's finiteness pass: the same indices as torch.argmax (the first of
+    tied maxima, the first NaN) and the same values as torch.amax (NaN, +inf), whatever the thread split."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(sum(shape))
+        cases = [torch.randn(*shape, generator=generator), torch.randint(0, 3, shape, generator=generator).float()]  # ties
+        for special in (float("nan"), float("inf"), -float("inf")) if 0 not in shape else ():
+            x = torch.randn(*shape, generator=generator)
+            flat = x.view(-1)
+            flat[flat.numel() // 2] = special
+            flat[-1] = special
+            cases.append(x)
+        cases.append(torch.full(shape, -float("inf")))
+        for x in cases:
+            assert torch.equal(native.argmax(x), x.argmax(-1)), x
+            torch.testing.assert_close(native.amax(x), x.amax(-1), rtol=0, atol=0, equal_nan=True)
+    finally:
+        torch.set_num_threads(previous)

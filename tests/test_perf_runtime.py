@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from specgate.models import default_dtype, load_model, native_bf16, resolve_dtype
-from specgate.models import transformer
+from specgate.models import native, transformer
 from specgate.models.dtypes import DTYPE_CHOICES
 
 BF16_RTOL = 0.05
@@ -24,9 +24,10 @@ VOCAB = 512
 def test_default_dtype_follows_the_cpu_flags():
     assert default_dtype(frozenset({"avx2", "avx512f", "avx512_bf16"})) == torch.bfloat16
     assert default_dtype(frozenset({"avx2", "amx_bf16", "amx_tile"})) == torch.bfloat16
-    assert default_dtype(frozenset({"avx", "avx2", "fma"})) == torch.float32
+    assert default_dtype(frozenset({"avx", "avx2", "fma"})) == torch.bfloat16  # the native kernel widens bf16 weights
+    assert default_dtype(frozenset({"avx", "avx2"})) == torch.float32  # no FMA: no kernel, no native bf16
     assert default_dtype(frozenset()) == torch.float32
-    assert default_dtype() == (torch.bfloat16 if native_bf16() else torch.float32)
+    assert default_dtype() == (torch.bfloat16 if native_bf16() or native.available() else torch.float32)
     assert resolve_dtype("auto") == default_dtype()
     assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bfloat16") == torch.bfloat16
     assert DTYPE_CHOICES == ("auto", "float32", "bfloat16")

@@ -68,8 +68,9 @@ def test_adaptive_speculates_alone_and_stops_under_heavy_batch_cost():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_adaptive_choice_is_the_best_gamma_vector(seed):
-    """Against an exhaustive search over every gamma vector (0..cap_i per request) of small random batches:
-    margin 0 finds the best vector; margin m finds one within m of it, and no narrower vector is within m."""
+    """Against an exhaustive search over every gamma vector (0..cap_i per request) of small random batches: a
+    fresh policy (no incumbent) finds the best vector whatever its margin; one holding an incumbent width stays
+    within its margin of the best, and keeps the incumbent exactly when that width's plan is within the margin."""
     rng = np.random.default_rng(seed)
     for _ in range(25):
         batch, gamma_max = int(rng.integers(1, 5)), 4
@@ -79,31 +80,55 @@ def test_adaptive_choice_is_the_best_gamma_vector(seed):
         caps = rng.integers(0, gamma_max + 1, batch).tolist()
         scored = [(brute_force_goodput(cost, rates, v), v) for v in itertools.product(*[range(c + 1) for c in caps])]
         best = max(goodput for goodput, _ in scored)
-        chosen = AdaptivePolicy(cost, gamma_max=gamma_max, margin=0.0).choose(rates, caps)
-        assert all(0 <= g <= c for g, c in zip(chosen, caps))
-        assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - 1e-9), (rates, caps, chosen)
+        for margin in (0.0, 0.05):
+            chosen = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin).choose(rates, caps)
+            assert all(0 <= g <= c for g, c in zip(chosen, caps))
+            assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - 1e-9), (rates, caps, chosen)
         margin = 0.05
-        chosen = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin).choose(rates, caps)
+        policy = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin)
+        policy.incumbent = int(rng.integers(0, gamma_max + 1))
+        held = max((goodput for goodput, v in scored if max(v) == policy.incumbent), default=0.0)
+        chosen = policy.choose(rates, caps)
         assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - margin) * (1 - 1e-9), (rates, caps, chosen)
-        narrower = [goodput for goodput, v in scored if max(v) < max(chosen)]
-        assert all(goodput < best * (1 - margin) * (1 + 1e-9) for goodput in narrower), (rates, caps, chosen)
+        if held >= best * (1 - margin) * (1 + 1e-9):
+            assert max(chosen) == policy.incumbent, (rates, caps, chosen)
+        elif held < best * (1 - margin) * (1 - 1e-9):
+            assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - 1e-9), (rates, caps, chosen)
 
 
-def test_margin_prefers_the_narrower_of_near_equal_plans():
-    """A flat optimum (batch 16, a high-acceptance profile): strict argmax takes the widest plan by a hair; with
-    the margin the policy takes the narrowest plan within it, and loses at most the margin by its own model."""
+def test_margin_holds_the_incumbent_width_of_near_equal_plans():
+    """A flat optimum (batch 16, a high-acceptance profile: gamma 3..8 within a few % of each other): the first
+    step takes the best plan; a width within the margin of the best is held step after step (no flapping on
+    noise) and costs at most the margin by the policy's own model; a width that falls out of the margin (the
+    profile drops) is left for the best."""
     cost = CostModel({(1, 1): 72, (1, 9): 111, (16, 1): 152, (16, 2): 221, (16, 3): 293, (16, 5): 424, (16, 9): 674,
                       (1, 2): 91, (1, 3): 91, (1, 5): 98})
     profile = [0.85, 0.82, 1.0, 0.89, 1.0, 1.0, 1.0, 1.0]
+    policy = AdaptivePolicy(cost, gamma_max=8, margin=0.04)
+    assert policy.choose([profile] * 16) == [8] * 16 and policy.incumbent == 8  # the argmax, by a hair
+    policy.incumbent = 4  # say noise had moved it to 4: within 4% of gamma 8 here, so it is held
     strict = AdaptivePolicy(cost, gamma_max=8, margin=0.0)
-    tolerant = AdaptivePolicy(cost, gamma_max=8, margin=0.04)
-    widest = strict.choose([profile] * 16)
-    chosen = tolerant.choose([profile] * 16)
-    assert widest == [8] * 16 and chosen == [chosen[0]] * 16 and 0 < chosen[0] < 8
-    assert tolerant.goodput([profile] * 16, chosen) >= 0.96 * strict.goodput([profile] * 16, widest)
-    assert tolerant.choose([profile]) == strict.choose([profile]) == [8]  # batch 1: gamma 8 wins clearly
+    assert strict.goodput([profile] * 16, 4) >= 0.96 * strict.goodput([profile] * 16, 8)
+    for _ in range(3):
+        assert policy.choose([profile] * 16) == [4] * 16
+    poor = [0.3] * 8  # acceptance collapses: gamma 4 is far from the best now, which is 0 (or 1)
+    chosen = policy.choose([poor] * 16)
+    assert max(chosen) < 4 and policy.goodput([poor] * 16, chosen) >= strict.goodput([poor] * 16, strict.choose([poor] * 16)) * (1 - 1e-9)
+    assert AdaptivePolicy(cost, gamma_max=8, margin=0.04).choose([profile]) == [8]  # batch 1: gamma 8 wins clearly
     with pytest.raises(ValueError, match="margin=0.5"):
         AdaptivePolicy(cost, margin=0.5)
+
+
+def test_the_incumbent_removes_the_narrow_bias_at_concurrency_1():
+    """Negative control of the old rule (the narrowest plan within the margin): at batch 1 with lookup drafts the
+    best plan is the widest; a plan a few % below it must not be chosen over it once the policy runs at it."""
+    cost = CostModel({(1, 1): 50.0, (1, 2): 52.0, (1, 3): 54.0, (1, 5): 57.0, (1, 9): 57.5})
+    profile = [0.9] * 4 + [0.5] * 4  # later drafts add little, the wider passes cost little more
+    policy = AdaptivePolicy(cost, gamma_max=8, margin=0.03)
+    goodput = {g: policy.goodput([profile], g) for g in range(9)}
+    best = max(goodput, key=goodput.get)
+    assert best == 8 and any(goodput[g] >= goodput[8] * 0.97 for g in range(1, 8))  # narrower plans inside the margin
+    assert [policy.choose([profile])[0] for _ in range(5)] == [8] * 5
 
 
 def test_adaptive_gives_drafts_per_request():

@@ -266,3 +266,46 @@ def test_bad_other_parameters():
 
 def test_numpy_scalars_accepted():
     assert theory.speedup(np.float64(0.7), np.int64(4), np.float32(0.1)) == pytest.approx(1.981, abs=5e-4)
+
+
+# --- the model applied to the draft lengths that ran, and to a measured verification cost --------------------
+
+
+def test_speedup_over_lengths_reduces_to_leviathan_at_fixed_gamma():
+    from specgate.theory import speedup_over_lengths
+
+    for alpha, gamma, c in ((0.8, 5, 0.0), (0.6, 3, 0.2), (1.0, 4, 0.05)):
+        counts = [0] * gamma + [7]
+        assert speedup_over_lengths(alpha, counts, c) == pytest.approx(theory.speedup(alpha, gamma, c), rel=1e-12)
+        assert speedup_over_lengths(alpha, counts, c, verify_cost=[1.0] * (gamma + 1)) == pytest.approx(theory.speedup(alpha, gamma, c), rel=1e-12)
+
+
+def test_speedup_over_lengths_by_hand_and_against_simulated_steps():
+    """One plain step + one 2-draft step, alpha 0.5, c 0.1, V = (1, 1.1, 1.2): tokens 1 + 1.75, passes 1 + 1.4.
+    Then mixed lengths against a Monte Carlo of i.i.d. acceptance (200,000 steps in these proportions; 4
+    standard errors)."""
+    from specgate.theory import speedup_over_lengths
+
+    assert speedup_over_lengths(0.5, [1, 0, 1], 0.1, verify_cost=[1.0, 1.1, 1.2]) == pytest.approx(2.75 / 2.4, rel=1e-12)
+    rng = np.random.default_rng(0)
+    counts, alpha, c, verify = [300, 0, 500, 0, 1200], 0.7, 0.05, [1.0, 1.05, 1.1, 1.2, 1.3]
+    lengths = np.repeat(np.arange(len(counts)), [100 * n for n in counts])  # [S] draft length of each step
+    accepted_run = np.argmin(np.concatenate([rng.random((lengths.size, 4)) < alpha, np.zeros((lengths.size, 1), bool)], axis=1), axis=1)
+    tokens = np.minimum(accepted_run, lengths) + 1  # [S] accepted drafts before the first rejection, plus one
+    passes = lengths * c + np.asarray(verify)[lengths]
+    simulated = tokens.mean() / passes.mean()
+    stderr = tokens.std() / np.sqrt(tokens.size) / passes.mean()
+    assert abs(speedup_over_lengths(alpha, counts, c, verify_cost=verify) - simulated) < 4 * stderr
+
+
+def test_speedup_over_lengths_rejects_bad_input():
+    from specgate.theory import speedup_over_lengths
+
+    with pytest.raises(ValueError, match="steps_by_draft_length"):
+        speedup_over_lengths(0.5, [], 0.1)
+    with pytest.raises(ValueError, match="steps_by_draft_length"):
+        speedup_over_lengths(0.5, [1, -1], 0.1)
+    with pytest.raises(ValueError, match=r"verify_cost has 2 entries: give V\(t\) for t = 1..3"):
+        speedup_over_lengths(0.5, [1, 0, 1], 0.1, verify_cost=[1.0, 1.1])
+    with pytest.raises(ValueError, match="alpha"):
+        speedup_over_lengths(1.5, [1], 0.1)

@@ -107,6 +107,33 @@ def speedup(alpha: float, gamma: int, c: float) -> float:
     return expected_tokens(alpha, gamma) / iteration_cost(gamma, c)
 
 
+def speedup_over_lengths(alpha: float, steps_by_draft_length: Sequence[int], c: float,
+                         verify_cost: Sequence[float] | None = None) -> float:
+    """Leviathan's model applied to the draft lengths that ran, and optionally to the hardware's verification cost.
+
+    steps_by_draft_length[k]: how many iterations drafted k tokens (k = 0: a plain target step, 1 token). A lookup
+    drafter proposes fewer than gamma tokens when its match runs out, which E[T](a, gamma) ignores. Each
+    iteration with k drafts emits E[T](a, k) tokens on average (1 for k = 0) and costs k c + V(k + 1) target
+    passes, V(t) being the cost of a t-token target pass in 1-token passes: Leviathan's model takes V = 1 (a
+    target with spare parallel compute); verify_cost[t - 1] = V(t), measured, prices it on the machine at hand
+    (on a CPU verification grows with t). S = sum_k n_k E[T](a, k) / sum_k n_k (k c + V(k + 1)). With every
+    iteration at gamma and V = 1 it equals speedup(alpha, gamma, c).
+    """
+    a, cost = check_alpha(alpha), check_cost(c)
+    counts = list(steps_by_draft_length)
+    if not counts or any(isinstance(n, bool) or not isinstance(n, Integral) or n < 0 for n in counts) or sum(counts) == 0:
+        raise ValueError(f"steps_by_draft_length={counts!r} must be non-negative integer counts per draft length with at least one step")
+    if verify_cost is not None:
+        if len(verify_cost) < len(counts):
+            raise ValueError(f"verify_cost has {len(verify_cost)} entries: give V(t) for t = 1..{len(counts)} (the longest pass)")
+        cost_of = [check_cost(v, f"verify_cost[{i}]") for i, v in enumerate(verify_cost)]
+    else:
+        cost_of = [1.0] * len(counts)
+    tokens = sum(n * (expected_tokens(a, k) if k else 1.0) for k, n in enumerate(counts))
+    passes = sum(n * (k * cost + cost_of[k]) for k, n in enumerate(counts))
+    return tokens / passes
+
+
 def c_break(alpha: float, gamma: int) -> float:
     """The draft cost ratio at which speculation breaks even (S = 1): c_break = (E[T] - 1) / g, in [0, 1]."""
     return (expected_tokens(alpha, gamma) - 1.0) / check_gamma(gamma)

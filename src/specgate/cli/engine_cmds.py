@@ -60,7 +60,7 @@ def register(app: typer.Typer) -> None:
         prompt: str = typer.Option(None, help="Prompt text."),
         prompt_file: Path = typer.Option(None, help="Read the prompt from this UTF-8 file."),
         stop: list[str] = typer.Option(None, help="Stop string (repeatable); the output ends before it."),
-        dtype: str = typer.Option("auto", help="Weights dtype for target and draft: auto (bfloat16 on CPUs with avx512_bf16/amx_bf16, else float32), float32 or bfloat16."),
+        dtype: str = typer.Option("auto", help="Weights dtype for target and draft: auto (bfloat16 weights with float32 arithmetic where the native kernel runs or the CPU has bf16 instructions, else float32), float32 or bfloat16."),
         json_output: bool = typer.Option(False, "--json", help="Print one JSON object {tokens, text, stats}."),
     ) -> None:
         """Generate text with speculative decoding (exact: the output follows the target's distribution)."""

@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
         max_waiting: int = typer.Option(64, help="Requests allowed to wait for a slot; more get HTTP 429."),
         max_seq_len: int = typer.Option(1024, help="Positions per KV slot: prompt + max_tokens must fit."),
         served_model_name: str = typer.Option(None, help="Model id reported by /v1/models (default: the target's name)."),
-        dtype: str = typer.Option("auto", help="Weights dtype for target and draft: auto (bfloat16 on CPUs with avx512_bf16/amx_bf16, else float32), float32 or bfloat16."),
+        dtype: str = typer.Option("auto", help="Weights dtype for target and draft: auto (bfloat16 weights with float32 arithmetic where the native kernel runs or the CPU has bf16 instructions, else float32), float32 or bfloat16."),
         lossy: str = typer.Option(None, help="LOSSY verification for cost studies: typical (Medusa) or synthetic:0.8,0.6 (fixed acceptance rates); metrics say lossless=\"false\"."),
         request_timeout_s: float = typer.Option(None, help="End a request still running this many seconds after arrival (HTTP 504; default: no limit)."),
         max_body_bytes: int = typer.Option(1 << 20, help="Largest request body accepted, in bytes (HTTP 413 above it)."),

@@ -62,7 +62,7 @@ def check_lossless(
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of every random draw."),
     dtype: str = typer.Option(
-        "auto", "--dtype", help="Weights dtype for --target: auto (bfloat16 on CPUs with avx512_bf16/amx_bf16, else float32), float32 or bfloat16."
+        "auto", "--dtype", help="Weights dtype for --target: auto (bfloat16 weights with float32 arithmetic where the native kernel runs or the CPU has bf16 instructions, else float32), float32 or bfloat16."
     ),
     significance: float = typer.Option(0.01, "--significance", help="Family-wise level, Bonferroni-corrected."),
     json_output: bool = typer.Option(

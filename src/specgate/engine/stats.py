@@ -8,6 +8,8 @@ Definitions (counted the same way for the baseline, gamma = 0, and every method)
 - acceptance_length AL = (accepted + iterations) / iterations: tokens produced per target step.
 - accepted_per_position[i]: how many steps accepted the draft at position i (marginal counts, vLLM-style;
   divide by iterations for the per-position rate).
+- steps_by_draft_length[k]: how many steps drafted exactly k tokens (a lookup drafter often drafts fewer than
+  gamma; Spec-Bench records the same per step), so the analytical model can be applied to the lengths that ran.
 - measured_alpha: Leviathan's alpha (the probability that one draft is accepted, i.i.d. model). Every tested
   draft is one Bernoulli(alpha) trial and testing stops at the first rejection, so the maximum-likelihood
   estimate is accepted / (accepted + rejections). AR underestimates alpha because drafts after a rejection are
@@ -43,6 +45,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     rejections: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    steps_by_draft_length: list[int] = field(default_factory=list)
     new_tokens: int = 0
     prompt_tokens: int = 0
     finish_reason: str = "length"
@@ -62,6 +65,9 @@ class GenerationStats:
             self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+        if len(self.steps_by_draft_length) <= num_drafted:
+            self.steps_by_draft_length.extend([0] * (num_drafted + 1 - len(self.steps_by_draft_length)))
+        self.steps_by_draft_length[num_drafted] += 1
         self.draft_ms_total += draft_ms
         self.verify_ms_total += verify_ms
 

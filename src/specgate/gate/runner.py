@@ -153,7 +153,14 @@ class Endpoint:
     def alive(self) -> bool:
         return self.process is None or self.process.poll() is None
 
-    def exit_description(self) -> str:
+    def exit_description(self, wait_s: float = 2.0) -> str:
+        """How the server ended. A process whose connections just broke may not have been reaped yet (its requests
+        fail before waitpid sees it exit): wait up to wait_s for its exit status before calling it unresponsive."""
+        if self.process is not None and self.process.returncode is None:
+            try:
+                self.process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                pass
         if self.process is None or self.process.returncode is None:
             return "stopped answering"
         code = self.process.returncode

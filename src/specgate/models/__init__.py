@@ -5,8 +5,8 @@
     logits = loaded.model(input_ids, positions, cache, slots)   # [B, T] ids and positions (-1 = pad), [B] slots
 
 dtype: load_model defaults to float32 (the exactness tests compare float32 logits with transformers);
-default_dtype() is bfloat16 on CPUs with avx512_bf16 / amx_bf16 and float32 elsewhere, and is what the CLI's
-`--dtype auto` loads.
+default_dtype() is bfloat16 (bf16 weights, float32 arithmetic) where the native kernel runs (AVX2 + FMA and a C
+compiler) or the CPU has avx512_bf16 / amx_bf16, and float32 elsewhere; it is what the CLI's `--dtype auto` loads.
 """
 
 from specgate.models.dtypes import default_dtype, native_bf16, resolve_dtype

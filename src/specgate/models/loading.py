@@ -55,7 +55,9 @@ def cache_root() -> Path:
 def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load "gemma-3-270m" (the embedded default), a local HF dir (config.json + *.safetensors) or a .gguf file.
 
-    dtype: the weights' and computation's dtype (float32, bfloat16 or float16); logits are returned as float32.
+    dtype: the weights' dtype (float32, bfloat16 or float16); logits are returned as float32. float32 and float16
+    models compute in their dtype; a bfloat16 model keeps its matrices in bf16 and computes in float32
+    (CausalLM.compute_dtype: half the bytes per decode step, float32 arithmetic).
     Raises FileNotFoundError for anything that is not local (specgate never downloads weights) and ValueError
     for an unsupported architecture or dtype.
     """
@@ -91,6 +93,7 @@ def _runtime_name(checkpoint_name: str) -> str:
 def build_model(config: Any, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype) -> CausalLM:
     """A CausalLM for config with weights from (checkpoint name, tensor) pairs; names not used are ignored."""
     args = ModelArgs.from_hf_config(config)
+    compute_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # the model is built on the CPU
     with torch.device("meta"):  # no memory or init time for weights about to be replaced
         model = CausalLM(args, config)
     wanted = dict(model.named_parameters(remove_duplicate=False))
@@ -106,7 +109,8 @@ def build_model(config: Any, tensors: Iterator[tuple[str, torch.Tensor]], dtype:
                 f"weight '{checkpoint_name}' has shape {tuple(tensor.shape)} but the config implies "
                 f"{tuple(wanted[name].shape)}: the checkpoint and its config.json disagree"
             )
-        tensor = tensor.to(dtype)
+        # weight-only bf16 on the CPU (CausalLM.compute_dtype): matrices in bf16, norm scales and biases in float32
+        tensor = tensor.to(dtype if tensor.dim() >= 2 or compute_dtype == dtype else compute_dtype)
         if tensor.data_ptr() % WEIGHT_ALIGNMENT_BYTES:  # MKL's GEMM result depends on the operand's alignment
             tensor = tensor.clone()  # torch allocates 64-byte aligned: the same weights give the same logits
         state[name] = tensor

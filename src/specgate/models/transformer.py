@@ -154,6 +154,9 @@ def rope_inv_freq(params: dict[str, Any], head_dim: int) -> Tensor:
     return inv_freq
 
 
+STACK_ACTIVATION = {  # ModelArgs.activation -> what native.DecodeStack computes in C (absent: the per-layer path)
+    "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "tanh_gelu", "gelu_new": "tanh_gelu", "gelu_fast": "tanh_gelu",
+}
 UPCAST_CHUNK_ELEMENTS = 1 << 21  # weight elements upcast to fp32 at a time (8 MB): the chunk stays in cache while used
 
 
@@ -176,34 +179,45 @@ def _inference(*tensors: Tensor | None) -> bool:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [..., K] times weight [N, K] transposed (+ bias [N]) -> [..., N], like F.linear, faster on CPU.
 
-    - float32 on CPU, few rows (an LM head times 1..20, a layer's weight times 1..64): specgate.models.native's C
-      kernel, which reads the weight once for all rows (oneDNN and MKL cost 2-3x a 1-row product for 2-9 rows;
-      Gemma-3-270M's layer products: 0.6-0.9x oneDNN's time at 1 row, ~0.5-0.6x at 5 rows).
+    - float32 activations on CPU, few rows (an LM head times 1..20, a layer's weight times 1..64), a float32 or
+      bfloat16 weight: specgate.models.native's C kernel, which reads the weight once for all rows (oneDNN and
+      MKL cost 2-3x a 1-row product for 2-9 rows; Gemma-3-270M's layer products: 0.6-0.9x oneDNN's time at 1 row,
+      ~0.5-0.6x at 5 rows).
     - other float32 on CPU (a prefill, a wide serving batch): oneDNN's inner-product primitive
       (torch.ops.mkldnn._linear_pointwise, the op inductor emits for a linear, on the plain strided weight).
       F.linear goes to MKL, whose matrix-vector product runs on one core on this project's AMD CPUs and reads
       memory at half the machine's bandwidth; oneDNN uses every torch thread. Gemma-3-270M's 262,144 x 640 head, 2 threads, 1 row: 57 ms (F.linear) vs 25 ms; 9 rows:
       177 vs 74 ms; a 2048 x 640 layer weight read from memory: ~470 vs ~270 us (bench/bench_perf.py).
       Not used where autograd needs the graph (training), which the op does not record.
-    - bfloat16 without native bf16 instructions: PyTorch's bf16 GEMM then costs one matrix-vector pass per
-      row, so the weight is upcast to float32 in cache-sized chunks and multiplied in float32 (the bytes read
-      from memory stay bf16); the result is rounded to bf16, as a bf16 GEMM with float32 accumulation does.
+    - bfloat16 weights with float32 activations (how the runtime runs a bf16 model on the CPU, see
+      CausalLM.compute_dtype): few rows go to the same kernel, which widens each bf16 weight to float32 in its
+      registers, so a decode step reads half the bytes; more rows (a prefill) upcast the weight in cache-sized
+      chunks and multiply in float32. The output is float32.
+    - bfloat16 activations (a bf16 model off the CPU path) without native bf16 instructions: PyTorch's bf16 GEMM
+      then costs one matrix-vector pass per row, so the weight is upcast to float32 in cache-sized chunks and
+      multiplied in float32 (the bytes read from memory stay bf16); the result is rounded to bf16, as a bf16 GEMM
+      with float32 accumulation does.
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows == 0 or x.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
     if not _inference(x, weight, bias):
         return F.linear(x, weight, bias)
+    if native.applies(x, weight):  # decode / verification rows: the weight read once (specgate.models.native)
+        out = native.skinny_product(x.reshape(rows, x.shape[-1]).contiguous(), weight)  # [R, N]; applies() checked
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     if weight.dtype == torch.float32:
-        if native.applies(x, weight):  # decode / verification rows: the weight read once (specgate.models.native)
-            out = native.skinny_product(x.reshape(rows, x.shape[-1]).contiguous(), weight)  # [R, N]; applies() checked
-            if bias is not None:
-                out = out + bias
-            return out.reshape(*x.shape[:-1], weight.shape[0])
         if not ONEDNN_LINEAR or x.dtype != torch.float32 or not weight.is_contiguous():
             return F.linear(x, weight, bias)
         flat = x.reshape(rows, x.shape[-1])  # [R, K]
         out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")  # [R, N]
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    if x.dtype == torch.float32:  # bf16 weights, float32 activations: a float32 product of the upcast weight
+        out = _upcast_mm(weight, x.reshape(rows, x.shape[-1]).t()).t()  # [R, N] float32
+        if bias is not None:
+            out = out + bias
         return out.reshape(*x.shape[:-1], weight.shape[0])
     if rows == 1 or native_bf16():
         return F.linear(x, weight, bias)
@@ -403,6 +417,10 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.norm_eps, gemma=True)
             self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.norm_eps, gemma=True)
 
+    def norms(self) -> list[RMSNorm]:
+        return [self.input_layernorm, self.post_attention_layernorm, *((self.pre_feedforward_layernorm, self.post_feedforward_layernorm) if self.gemma else ()),
+                *((self.self_attn.q_norm, self.self_attn.k_norm) if self.self_attn.q_norm is not None else ())]
+
     def forward(self, x: Tensor, batch: "Batch") -> Tensor:
         if self.gemma:
             if batch.native and x.is_contiguous():  # residual + norm pairs in one C call each (x updated in place)
@@ -440,7 +458,7 @@ class Batch:
     def rope(self, key: str) -> tuple[Tensor, Tensor]:
         """cos, sin [B, 1, T, D] for the RoPE parameters `key`."""
         if key not in self._ropes:
-            self._ropes[key] = self.model._rope_table(self.positions, self.model.inv_freq[key], self.model.dtype)
+            self._ropes[key] = self.model._rope_table(self.positions, self.model.inv_freq[key], self.model.compute_dtype)
         return self._ropes[key]
 
     def mask(self, window: int | None) -> tuple[Tensor, int]:
@@ -466,10 +484,21 @@ class CausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq = {key: rope_inv_freq(params, args.head_dim) for key, params in args.rope_parameters.items()}
+        self._stack: tuple[list, native.DecodeStack | None] | None = None  # (checks, stack): native_stack()
 
     @property
     def dtype(self) -> torch.dtype:
+        """The weights' dtype (of the embedding, the projections and the head)."""
         return self.embed_tokens.weight.dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations', the KV cache's and the norms' dtype. bfloat16 weights on the CPU compute in float32
+        (weight-only bf16, as llama.cpp runs a BF16 model): the bytes a decode step reads are halved, each weight
+        is widened exactly in the product, and the arithmetic is float32 (more precise than bf16 activations, and
+        on CPUs without bf16 instructions also faster). Elsewhere: the weights' dtype."""
+        dtype = self.dtype
+        return torch.float32 if dtype == torch.bfloat16 and self.device.type == "cpu" else dtype
 
     def fuse_projections(self) -> "CausalLM":
         """Make q/k/v and gate/up one product each (see FusedLinears): 3 matrix products per layer instead of 6.
@@ -484,6 +513,80 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    def _stack_checks(self) -> list[tuple] | None:
+        """What the C decoder stack relies on, as cheap checks: each parameter it reads (or derives from: Gemma's
+        (1 + w) norm scales) is still the module's parameter, at the same storage and version, and each layer's
+        window and attention scale are unchanged. None where a layer cannot take the stack (fusion off or broken,
+        an activation not computed in C)."""
+        if STACK_ACTIVATION.get(self.args.activation) is None or not native.available():
+            return None
+        checks = []
+        for block in self.layers:
+            attn, mlp = block.self_attn, block.mlp
+            if attn.fused is None or mlp.fused is None or attn.fused.get() is None or mlp.fused.get() is None:
+                return None
+            checks.append((attn, attn.window, attn.scale))
+            modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj, *block.norms())
+            for module in modules:
+                for name, param in module._parameters.items():
+                    if param is not None:
+                        checks.append((module._parameters, name, param, param.data_ptr(), param._version))
+        return checks
+
+    def _stack_still_valid(self, checks: list[tuple]) -> bool:
+        """The checks of _stack_checks, in one tight loop (~0.1 ms for Gemma-3-270M; the per-forward price of the
+        stack, against ~4 ms of per-layer dispatch it saves)."""
+        grad = torch.is_grad_enabled()
+        for check in checks:
+            if len(check) == 3:
+                attn, window, scale = check
+                if attn.window != window or attn.scale != scale:
+                    return False
+                continue
+            parameters, name, param, pointer, version = check
+            if parameters.get(name) is not param or param.data_ptr() != pointer or param._version != version or (grad and param.requires_grad):
+                return False
+        return True
+
+    def native_stack(self) -> "native.DecodeStack | None":
+        """The whole decoder as one C call per decode / verification forward (native.DecodeStack), or None where it
+        does not apply (see _stack_checks); built on first use and rebuilt when the weights it reads change."""
+        if self._stack is not None and self._stack_still_valid(self._stack[0]):
+            return self._stack[1]
+        try:
+            checks = self._stack_checks()
+        except RuntimeError:  # inference tensors carry no version counter: use the per-layer path
+            return None
+        if checks is None:
+            self._stack = None
+            return None
+        self._stack = (checks, self._build_stack())
+        return self._stack[1]
+
+    def _build_stack(self) -> "native.DecodeStack | None":
+        a = self.args
+        layers = []
+        for block in self.layers:
+            attn, mlp = block.self_attn, block.mlp
+            (qkv, qkv_bias), (gate_up, gate_up_bias) = attn.fused.get(), mlp.fused.get()
+            scale = (lambda norm: norm._gemma_scale()) if a.gemma_norms else (lambda norm: norm.weight)
+            layers.append(native.StackLayer(
+                qkv=qkv, qkv_bias=qkv_bias, o=attn.o_proj.weight, o_bias=attn.o_proj.bias, gate_up=gate_up,
+                gate_up_bias=gate_up_bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+                norm_in=scale(block.input_layernorm), norm_attn=scale(block.post_attention_layernorm),
+                norm_pre_ff=scale(block.pre_feedforward_layernorm) if a.gemma_norms else None,
+                norm_post_ff=scale(block.post_feedforward_layernorm) if a.gemma_norms else None,
+                q_norm=attn.q_norm._gemma_scale() if attn.q_norm is not None else None,
+                k_norm=attn.k_norm._gemma_scale() if attn.k_norm is not None else None,
+                inv_freq=self.inv_freq[attn.rope_key], window=attn.window, scale=attn.scale,
+            ))
+        try:
+            return native.DecodeStack(layers, heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                                      eps=a.norm_eps, gemma=a.gemma_norms,
+                                      activation=STACK_ACTIVATION[a.activation])
+        except ValueError:  # a shape, dtype or layout the C stack does not take: the per-layer path serves
+            return None
+
     def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
         """A zeroed cache of num_slots sequences of up to max_seq_len positions (<= max_position_embeddings)."""
         if max_seq_len > self.max_position_embeddings:
@@ -492,7 +595,7 @@ class CausalLM(nn.Module):
                 "use a shorter prompt or fewer new tokens"
             )
         a = self.args
-        return KVCache(a.num_layers, num_slots, a.num_kv_heads, max_seq_len, a.head_dim, dtype=self.dtype, device=self.device)
+        return KVCache(a.num_layers, num_slots, a.num_kv_heads, max_seq_len, a.head_dim, dtype=self.compute_dtype, device=self.device)
 
     @staticmethod
     def _rope_table(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -553,19 +656,24 @@ class CausalLM(nn.Module):
         contiguous = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))) if slot_list else False
         kv_length = max(int(positions.max()) + 1, 1) if positions.numel() else 1
         rows = positions.numel()
-        native_path = (  # decode / verification rows of a float32 model in inference: the C attention path
-            self.dtype == torch.float32
+        compute_dtype = self.compute_dtype
+        native_path = (  # decode / verification rows with float32 activations in inference: the C attention path
+            compute_dtype == torch.float32
             and self.args.hidden_size % 8 == 0  # residual_norm works on 8-float lanes
             and _inference(self.embed_tokens.weight)
             and native.attention_applies(rows, self.args.head_dim, cache.keys[0])
         )
         batch = Batch(self, cache, slots, positions, kv_length, slot_list[0] if contiguous else None, native_path)
 
-        x = self.embed_tokens(input_ids)  # [B, T, H]
-        if self.args.embed_scale is not None:  # Gemma: the scale is rounded to the model dtype first
-            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
-        for block in self.layers:
-            x = block(x, batch)
+        x = self.embed_tokens(input_ids).to(compute_dtype)  # [B, T, H]; bf16 rows widen exactly
+        if self.args.embed_scale is not None:  # Gemma: the scale is rounded to the weights' dtype first, as transformers does
+            x = x * torch.tensor(self.args.embed_scale, dtype=self.dtype).to(compute_dtype)
+        stack = self.native_stack() if native_path and x.is_contiguous() else None
+        if stack is not None:  # every layer in one C call (decode / verification rows)
+            stack.run(x.view(rows, -1), batch.flat_positions, batch.flat_slots, cache.keys, cache.values)
+        else:
+            for block in self.layers:
+                x = block(x, batch)
         hidden = self.norm(x)  # [B, T, H]
 
         if last_only:

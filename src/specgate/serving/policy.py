@@ -21,12 +21,16 @@ best (ties go to fewer drafts). With free lookup drafts a request drafts wheneve
 with a draft model, a request whose drafts are rarely accepted is dropped when its rows in the draft passes
 cost more than its expected extra tokens are worth.
 
-Robustness. Of the best plans per width, the NARROWEST within `margin` (4%) of the best predicted goodput runs
-(AdaptivePolicy): the optimum is flat and the predictions are not that precise, so near-ties go to the shorter,
-cheaper step, and the width does not flip on estimate noise. The cost model is calibrated at start and then
-corrected by every target step the scheduler runs (CostModel.observe), because the calibration's timing
-conditions are not the serving ones (a busy machine at start, another thread, contention that slows wide verify
-passes most).
+Robustness. The optimum is flat and the predictions carry noise (per-request acceptance estimates, step-time
+jitter), so the width must not flip from step to step on estimate noise: the width that ran last (the
+incumbent) runs again while its best plan stays within `margin` (3%) of the best predicted goodput; otherwise
+the best plan runs and becomes the incumbent (AdaptivePolicy). This is hysteresis without a direction: an
+earlier rule ("the narrowest plan within 4%") also stopped the flapping but, by construction, ran narrower than
+the optimum whenever a narrower plan was within the margin; at concurrency 1, where the optimum is the widest
+plan, that cost ~5% of throughput against fixed gamma 8 (docs/BENCHMARKS.md, Serving). The cost model is
+calibrated at start and then corrected by every target step the scheduler runs (CostModel.observe), because
+the calibration's timing conditions are not the serving ones (a busy machine at start, another thread,
+contention that slows wide verify passes most), so a model that flatters a width is corrected by running it.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ POLICY_NAMES = ("adaptive", "fixed", "table", "off")
 CALIBRATION_BATCH_SIZES = (1, 2, 4, 8, 16)
 DEFAULT_GAMMA_MAX = 8
 DEFAULT_LIVE_RATE = 0.1  # weight of one measured step in the cost model's live correction (CostModel.observe)
-DEFAULT_MARGIN = 0.04  # adaptive: plans within 4% of the best predicted goodput count as ties (AdaptivePolicy)
+DEFAULT_MARGIN = 0.03  # adaptive: the incumbent width stays while within 3% of the best predicted goodput
 Acceptance = float | Sequence[float] | None  # one alpha, conditional rates per position, or unknown
 
 
@@ -248,14 +252,13 @@ class AdaptivePolicy(SpeculationPolicy):
 
     See the module docstring for the search. prior_alpha: the flat acceptance used for a request with no
     estimate (the scheduler passes per-position profiles that already blend in the traffic's estimate).
-    margin: the conservative tie-break. Plans whose predicted goodput is within `margin` (a fraction) of the
-    best are treated as equal, and the narrowest of them (fewest tokens per row, then fewest draft tokens) runs.
-    Why: the predictions carry errors larger than the differences the argmax would act on (the cost grid's
-    shape moved by up to ~20% between a quiet and a contended calibration on the 2-core VM, and wide verify
-    passes suffer most from contention), and near the optimum the goodput curve is flat (Gemma at batch 16:
-    gamma 3, 4 and 8 within 4% of each other). The narrower plan is the one that loses less when the model is
-    optimistic, has the shorter step (ITL), and wastes less compute; when the model is right it costs at most
-    `margin` of goodput. It also stops the choice from flipping between near-equal widths from step to step.
+    margin: the hysteresis. The width that ran last step (the incumbent) runs again while its best plan's
+    predicted goodput is within `margin` (a fraction) of the best plan's; otherwise the best plan runs (exact ties
+    to the narrower) and its width becomes the incumbent. Why: the predictions carry errors larger than the
+    differences the argmax would act on (per-request acceptance estimates from a few steps, step-time jitter on
+    a shared 2-core VM), and near the optimum the goodput curve is flat (Gemma at batch 16: gamma 3, 4 and 8
+    within 4% of each other), so a plain argmax would flip the width from step to step. Holding the incumbent
+    costs at most `margin` by the model's own account, and has no bias towards narrow or wide plans.
     """
 
     name = "adaptive"
@@ -269,6 +272,7 @@ class AdaptivePolicy(SpeculationPolicy):
             raise ValueError(f"margin={margin} is out of range [0, 0.5): the fraction of the best goodput treated as a tie (0 = strict argmax)")
         self.prior_alpha = prior_alpha
         self.margin = margin
+        self.incumbent: int | None = None  # width (max gamma) of the plan that ran last; None before the first
         self._costs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch -> (target_ms [G+1], draft_ms [B+1])
         self._costs_at = cost_model.observations
 
@@ -323,16 +327,18 @@ class AdaptivePolicy(SpeculationPolicy):
         return plans
 
     def plan(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> tuple[list[int], float]:
-        """The chosen gamma per request and its expected goodput (tokens per ms): the narrowest plan within
-        `margin` of the best (margin 0: the best; ties go to fewer drafts)."""
+        """The chosen gamma per request and its expected goodput (tokens per ms): the incumbent width's plan while
+        it is within `margin` of the best, else the best (exact ties to fewer drafts); see the class docstring."""
         if not acceptance:
             return [], 0.0
         plans = self.candidates(acceptance, caps)
-        best = max(goodput for goodput, _ in plans)
-        goodput, gammas = min(
-            (p for p in plans if p[0] >= best * (1 - self.margin) * (1 - 1e-9)),
-            key=lambda p: (int(p[1].max()), int(p[1].sum())),
-        )
+        best_goodput, best_gammas = max(plans, key=lambda p: (p[0], -int(p[1].max()), -int(p[1].sum())))
+        held = [p for p in plans if int(p[1].max()) == self.incumbent]
+        if held and max(p[0] for p in held) >= best_goodput * (1 - self.margin) * (1 - 1e-9):
+            goodput, gammas = max(held, key=lambda p: p[0])
+        else:
+            goodput, gammas = best_goodput, best_gammas
+        self.incumbent = int(gammas.max())
         return gammas.tolist(), float(goodput)
 
     def goodput(self, acceptance: Sequence[Acceptance], gammas: Sequence[int] | int) -> float:
@@ -400,6 +406,8 @@ def calibrate_cost_model(
     """
     import torch
 
+    from specgate.models import native
+
     _check_gamma(gamma_max, "gamma_max")
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1 (calibration sweeps per point)")
@@ -423,7 +431,7 @@ def calibrate_cost_model(
                 start = time.perf_counter()
                 logits = model.forward(step_ids, positions, caches[role], torch.arange(batch))  # [B, T, V]
                 if role == "target":  # the step's passes over the logits scale with B x T too: NaN check, greedy verify
-                    logits.amax(dim=-1), logits.argmax(dim=-1)
+                    native.amax(logits), native.argmax(logits)  # as the scheduler and greedy_verify do
                 if sweep:
                     samples[(role, batch, tokens)].append((time.perf_counter() - start) * 1e3)
     target_ms = {(b, t): min(times) for (role, b, t), times in samples.items() if role == "target"}

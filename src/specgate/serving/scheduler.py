@@ -61,6 +61,7 @@ from torch import Tensor
 
 from specgate.drafting.ngram import NgramDrafter
 from specgate.engine.generate import OutputText, eos_token_ids
+from specgate.models import native
 from specgate.sampling import SamplingParams, greedy_verify, logits_to_probs, rejection_sample, verify
 from specgate.serving.acceptance import FLAT_PRIOR, TRAFFIC_DECAY, AcceptanceStats
 from specgate.serving.policy import SpeculationPolicy
@@ -611,7 +612,7 @@ class Scheduler:
         amax over the vocabulary is NaN if any logit is NaN and +inf if any is +inf (one pass, no [B, T, V] mask);
         a -inf logit alone is a legal zero probability. Pad positions (-1) are not checked.
         """
-        peak = target_logits.amax(dim=-1)  # [B, G+1]
+        peak = native.amax(target_logits)  # [B, G+1]: one multi-threaded C pass (torch.amax's is single-core)
         finite = (torch.isfinite(peak) | (positions < 0)).all(dim=1)  # [B]
         if bool(finite.all()):
             return list(range(len(running)))
