@@ -98,8 +98,9 @@ def test_the_thread_split_covers_every_column_once(threads):
 
 @needs_kernel
 def test_linear_routes_few_rows_to_the_kernel(monkeypatch):
-    """linear() picks the kernel for float32 products of 1..20 rows with an LM head (>= HEAD_ELEMENTS) and 1..64
-    rows with a layer's weight; oneDNN / F.linear otherwise (a prefill, a wide batch)."""
+    """linear() picks the kernel for float32 activations times 1..20 rows of a float32 LM head (>= HEAD_ELEMENTS),
+    1..64 of a bf16 head, 1..64 of a layer's weight (either dtype); oneDNN, the bf16 upcast or F.linear otherwise
+    (a prefill, a wide batch)."""
     calls = []
     real = native.skinny_product
     monkeypatch.setattr(native, "skinny_product", lambda x, w: calls.append((tuple(x.shape), w.shape[0])) or real(x, w))
@@ -114,8 +115,13 @@ def test_linear_routes_few_rows_to_the_kernel(monkeypatch):
         transformer.linear(torch.randn(64, 64), weight[:1024])  # 64 rows of a layer's weight: the kernel
         transformer.linear(torch.randn(65, 64), weight[:1024])  # 65 rows: oneDNN
         transformer.linear(torch.randn(2, 64).double(), weight[:1024].double())  # float64: not the kernel
-    assert calls == [((6, 64), 4096), ((64, 64), 1024)]
+        half = weight.bfloat16()
+        wide = transformer.linear(torch.randn(64, 64, generator=generator), half)  # 64 rows of a bf16 head: the kernel
+        upcast = transformer.linear(x65 := torch.randn(65, 64, generator=generator), half)  # 65 rows: the chunked upcast
+    assert calls == [((6, 64), 4096), ((64, 64), 1024), ((64, 64), 4096)]
     assert out.shape == (2, 3, 4096) and torch.allclose(out, torch.nn.functional.linear(x, weight, bias), atol=1e-4)
+    assert wide.dtype == upcast.dtype == torch.float32
+    assert torch.allclose(upcast, x65 @ half.float().t(), atol=1e-4)
 
 
 @needs_kernel

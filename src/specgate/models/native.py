@@ -51,7 +51,8 @@ from torch import Tensor
 
 from specgate.models.dtypes import cpu_flags
 
-SKINNY_MAX_ROWS = 20  # an LM head (>= HEAD_ELEMENTS): faster than oneDNN at every row count up to 20 (83 vs 102 ms)
+SKINNY_MAX_ROWS = 20  # a float32 LM head (>= HEAD_ELEMENTS): faster than oneDNN at every row count up to 20 (83 vs 102 ms)
+BF16_HEAD_MAX_ROWS = 64  # a bf16 head: the alternative, a chunked upcast + float32 GEMM, costs 1.1-2x the kernel up to 96 rows
 LAYER_MAX_ROWS = 64  # a layer's weight: faster than oneDNN up to 64 rows (Gemma-3-270M's gate/up: 2.9 vs 3.3 ms)
 HEAD_ELEMENTS = 1 << 24  # weights of >= 16M elements are LM heads here
 ATTENTION_THREAD_WORK = 1 << 18  # multiply-adds (rows x heads x D x keys) from which attend uses every thread
@@ -667,9 +668,12 @@ def available() -> bool:
 
 
 def max_rows(weight: Tensor) -> int:
-    """The most rows of x skinny_linear serves for this weight: SKINNY_MAX_ROWS for an LM head, LAYER_MAX_ROWS
-    for a layer's weight (beyond them oneDNN's blocked GEMM is faster: a prefill)."""
-    return SKINNY_MAX_ROWS if weight.numel() >= HEAD_ELEMENTS else LAYER_MAX_ROWS
+    """The most rows of x skinny_linear serves for this weight: SKINNY_MAX_ROWS for a float32 LM head,
+    BF16_HEAD_MAX_ROWS for a bf16 one, LAYER_MAX_ROWS for a layer's weight (beyond them oneDNN's blocked GEMM, or
+    the chunked bf16 upcast, is faster: a prefill)."""
+    if weight.numel() >= HEAD_ELEMENTS:
+        return BF16_HEAD_MAX_ROWS if weight.dtype == torch.bfloat16 else SKINNY_MAX_ROWS
+    return LAYER_MAX_ROWS
 
 
 def applies(x: Tensor, weight: Tensor) -> bool:
