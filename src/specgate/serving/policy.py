@@ -35,6 +35,7 @@ contention that slows wide verify passes most), so a model that flatters a width
 
 from __future__ import annotations
 
+import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -424,10 +425,11 @@ def calibrate_cost_model(
             ids = torch.ones(max_batch, context_len, dtype=torch.int64)  # [B, L]
             model.forward(ids, torch.arange(context_len)[None].expand(max_batch, -1), cache, torch.arange(max_batch), last_only=True)
         for sweep in range(repeats + 1):  # sweep 0 warms up
-            # each sweep starts at another point: the point right after the previous sweep's widest pass measured
-            # ~1.4x slow every time (caches, threads), and a fixed order would have put the same point there always
-            shift = sweep * len(points) // (repeats + 1)
-            for role, batch, tokens in points[shift:] + points[:shift]:
+            # each sweep in another (seeded) order: the pass right after a wide one measured ~1.4x slow (caches,
+            # threads), and a fixed order, or a rotation of it, would put the same point there every sweep
+            order = list(points)
+            random.Random(sweep).shuffle(order)
+            for role, batch, tokens in order:
                 model = target_model if role == "target" else draft_model
                 step_ids = torch.ones(batch, tokens, dtype=torch.int64)  # [B, T]
                 positions = torch.arange(context_len, context_len + tokens)[None].expand(batch, -1)  # [B, T]
