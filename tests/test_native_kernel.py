@@ -211,9 +211,11 @@ def test_native_paths_equal_the_torch_path(tiny_model_dir, monkeypatch, family, 
     real_run, real_attention = native.DecodeStack.run, native.attention
     with torch.inference_mode():
         with monkeypatch.context() as patch:
-            patch.setattr(native.DecodeStack, "run", lambda self, *args: stack_calls.append(1) or real_run(self, *args))
+            patch.setattr(native.DecodeStack, "run", lambda self, x, *args: stack_calls.append(x.shape[0]) or real_run(self, x, *args))
             stacked, positions = _ragged_logits(model, history, new)
-        assert len(stack_calls) == 3  # two histories + the ragged call, each one C call for all layers
+        # two histories + the ragged call, each one C call for all layers, on the real tokens only (no padding)
+        assert stack_calls == [13, 17, sum(new.values())]
+        assert (stacked[positions < 0] == 0).all()  # padding positions: zero logits, not garbage
         with monkeypatch.context() as patch:
             patch.setattr(model, "native_stack", lambda: None)
             patch.setattr(native, "attention", lambda *args: layer_calls.append(1) or real_attention(*args))

@@ -548,6 +548,13 @@ class CausalLM(nn.Module):
                 return False
         return True
 
+    def packed_rows_limit(self) -> int:
+        """How many real tokens a forward runs through the C stack, padding skipped (native.LAYER_MAX_ROWS), or 0
+        where this model takes the per-layer paths, which compute every padded row."""
+        if self.compute_dtype != torch.float32 or self.args.hidden_size % 8 or self.native_stack() is None:
+            return 0
+        return native.LAYER_MAX_ROWS if native.attention_applies(1, self.args.head_dim, torch.empty(0)) else 0
+
     def native_stack(self) -> "native.DecodeStack | None":
         """The whole decoder as one C call per decode / verification forward (native.DecodeStack), or None where it
         does not apply (see _stack_checks); built on first use and rebuilt when the weights it reads change."""
@@ -656,32 +663,81 @@ class CausalLM(nn.Module):
         contiguous = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))) if slot_list else False
         kv_length = max(int(positions.max()) + 1, 1) if positions.numel() else 1
         rows = positions.numel()
+        real_rows = int(valid.sum())
         compute_dtype = self.compute_dtype
-        native_path = (  # decode / verification rows with float32 activations in inference: the C attention path
+        c_paths = (  # decode / verification rows with float32 activations in inference: the C paths
             compute_dtype == torch.float32
             and self.args.hidden_size % 8 == 0  # residual_norm works on 8-float lanes
             and _inference(self.embed_tokens.weight)
-            and native.attention_applies(rows, self.args.head_dim, cache.keys[0])
         )
+        # the whole stack in one C call runs only the real tokens (padding costs nothing), so its limit counts those
+        stack = self.native_stack() if c_paths and native.attention_applies(real_rows, self.args.head_dim, cache.keys[0]) else None
+        native_path = stack is None and c_paths and native.attention_applies(rows, self.args.head_dim, cache.keys[0])
         batch = Batch(self, cache, slots, positions, kv_length, slot_list[0] if contiguous else None, native_path)
 
         x = self.embed_tokens(input_ids).to(compute_dtype)  # [B, T, H]; bf16 rows widen exactly
         if self.args.embed_scale is not None:  # Gemma: the scale is rounded to the weights' dtype first, as transformers does
             x = x * torch.tensor(self.args.embed_scale, dtype=self.dtype).to(compute_dtype)
-        stack = self.native_stack() if native_path and x.is_contiguous() else None
-        if stack is not None:  # every layer in one C call (decode / verification rows)
-            stack.run(x.view(rows, -1), batch.flat_positions, batch.flat_slots, cache.keys, cache.values)
-        else:
-            for block in self.layers:
-                x = block(x, batch)
+        if stack is not None and x.is_contiguous():
+            return self._stack_forward(stack, x, valid, positions, slots, cache, real_rows, last_only, return_hidden)
+        for block in self.layers:
+            x = block(x, batch)
         hidden = self.norm(x)  # [B, T, H]
 
         if last_only:
             steps = torch.arange(positions.shape[1], device=positions.device)  # [T]
             last = torch.where(valid, steps, -1).max(dim=1).values.clamp(min=0)  # [B]
             hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
-        logits = linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # [B, T, V] or [B, V]
+        logits = self._head(hidden)  # [B, T, V] or [B, V]
+        return (logits, hidden) if return_hidden else logits
+
+    def _head(self, hidden: Tensor) -> Tensor:
+        """hidden [..., H] (after the final norm) -> logits [..., V] float32 (soft-capped where the model says)."""
+        logits = linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
         if self.args.final_logit_softcapping is not None:
             cap = self.args.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        return (logits, hidden) if return_hidden else logits
+        return logits
+
+    def _stack_forward(self, stack: "native.DecodeStack", x: Tensor, valid: Tensor, positions: Tensor, slots: Tensor,
+                       cache: KVCache, real_rows: int, last_only: bool, return_hidden: bool) -> Tensor | tuple[Tensor, Tensor]:
+        """forward() through the C stack, on the real tokens only: a ragged batch's padding (a verification row with
+        fewer drafts than the widest, a shorter prompt chunk) is neither run through the layers nor scored by the
+        head, the way a flat ragged batch (vLLM's) costs its real tokens alone. Padding positions get zero logits
+        and hidden states. x [B, T, H] contiguous float32."""
+        B, T, H = x.shape
+        flat = x.view(B * T, H)
+        flat_valid = valid.reshape(-1)  # [B T]
+        flat_positions = positions.reshape(-1)
+        flat_slots = slots[:, None].expand(B, T).reshape(-1)
+        if real_rows < B * T:
+            keep = flat_valid.nonzero().squeeze(1)  # [R]: the real tokens, in row-major order
+            packed = flat.index_select(0, keep)  # [R, H]
+            stack.run(packed, flat_positions[keep].contiguous(), flat_slots[keep].contiguous(), cache.keys, cache.values)
+        else:
+            keep, packed = None, flat
+            stack.run(flat, flat_positions.contiguous(), flat_slots.contiguous(), cache.keys, cache.values)
+        hidden = self.norm(packed)  # [R, H]
+        if last_only:
+            steps = torch.arange(T, device=positions.device)  # [T]
+            last = torch.where(valid, steps, -1).max(dim=1).values.clamp(min=0)  # [B]
+            picked = torch.arange(B, device=positions.device) * T + last  # [B] flat index of each row's last token
+            if keep is not None:  # its index among the real tokens (a row with none picks its first, zeroed below)
+                picked = (torch.cumsum(flat_valid, 0) - 1).clamp(min=0)[picked]
+            out_hidden = hidden.index_select(0, picked)  # [B, H]
+            if keep is not None and not bool(valid.any(dim=1).all()):
+                out_hidden[~valid.any(dim=1)] = 0.0
+            logits = self._head(out_hidden)  # [B, V]
+            return (logits, out_hidden) if return_hidden else logits
+        logits_real = self._head(hidden)  # [R, V]
+        if keep is None:
+            logits = logits_real.view(B, T, -1)
+            return (logits, hidden.view(B, T, H)) if return_hidden else logits
+        logits = torch.empty(B * T, logits_real.shape[-1], dtype=logits_real.dtype)  # [B T, V]
+        logits.index_copy_(0, keep, logits_real)
+        logits[~flat_valid] = 0.0
+        if return_hidden:
+            full = torch.zeros(B * T, H, dtype=hidden.dtype)
+            full.index_copy_(0, keep, hidden)
+            return logits.view(B, T, -1), full.view(B, T, H)
+        return logits.view(B, T, -1)

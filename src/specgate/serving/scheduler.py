@@ -584,7 +584,8 @@ class Scheduler:
             draft_tokens, target_logits = draft_tokens[index], target_logits[index]
         # 5. one batched verification with per-request generators
         result = self._verify(running, states, drafts, draft_tokens, torch.tensor(num_drafts), target_logits)
-        self.policy.observe_step(batch, width + 1, 1e3 * (time.perf_counter() - forward_start))  # the adaptive cost model learns
+        # the adaptive cost model learns (a runtime that packs costs the real tokens, not the padded rectangle)
+        self.policy.observe_step(batch, width + 1, 1e3 * (time.perf_counter() - forward_start), real_tokens=batch + sum(num_drafts))
         # 6. commit
         now = time.perf_counter()
         step_stats = {"num_drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_position": [0] * width}
