@@ -137,8 +137,8 @@ def run_point(scheduler: Scheduler, prompts: list[torch.Tensor], concurrency: in
 
 def step_timings(scheduler: Scheduler) -> dict:
     """Per-step timings from the scheduler's trace: medians of the target forward, the draft passes and the rest
-    of the step (lookups, verification, commit); with the adaptive cost model, the median measured / predicted
-    target forward (1.0 = the calibration prices this load right)."""
+    of the step (lookups, verification, commit); with the adaptive cost model, the median of the measured step but
+    its draft passes (what the policy prices) over the model's prediction (1.0 = the model prices this load right)."""
     trace = scheduler.trace or []
     if not trace:
         return {}
@@ -152,8 +152,8 @@ def step_timings(scheduler: Scheduler) -> dict:
     }
     cost_model = getattr(scheduler.policy, "cost_model", None)
     if cost_model is not None:
-        out["forward_measured_over_predicted_p50"] = statistics.median(
-            t["forward_ms"] / cost_model.target_step_ms(t["batch"], cost_model.tokens_per_row(t["batch"], t["width"] + 1, t["batch"] + t["drafted"]))
+        out["step_measured_over_predicted_p50"] = statistics.median(
+            (t["step_ms"] - t["draft_ms"]) / cost_model.target_step_ms(t["batch"], cost_model.tokens_per_row(t["batch"], t["width"] + 1, t["batch"] + t["drafted"]))
             for t in trace
         )
     return out
@@ -461,7 +461,7 @@ def report(console: Console, args, target, dtype: torch.dtype, summary: list[dic
             steps = r["steps"]
             console.print(
                 f"adaptive C={r['concurrency']} repeat {r['repeat']}: forward p50 {steps['forward_ms_p50']:.0f} ms "
-                f"(measured/predicted {steps.get('forward_measured_over_predicted_p50', float('nan')):.2f}), rest of step "
+                f"(step measured/predicted {steps.get('step_measured_over_predicted_p50', float('nan')):.2f}), rest of step "
                 f"{steps['other_ms_p50']:.0f} ms, mean width {steps['mean_width']:.2f}, width changes {steps['width_changes']:.2f} per step"
             )
 

@@ -352,3 +352,21 @@ def test_argmax_and_amax_equal_torchs(shape, threads):
             torch.testing.assert_close(native.amax(x), x.amax(-1), rtol=0, atol=0, equal_nan=True)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("prompt_len", [13, 70])  # the C stack (<= 64 real tokens) and the per-layer torch path
+def test_a_cache_only_forward_writes_the_same_cache(tiny_model_dir, prompt_len):
+    """logits=False (a prefill chunk nobody samples from) returns None and skips the head, but fills the KV cache
+    exactly as a scored forward does: the next step's logits are bit-identical either way."""
+    from specgate.models import load_model
+
+    model = load_model(str(tiny_model_dir("gemma3")), dtype=torch.float32).model
+    prompt = torch.randint(4, 500, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    step = []
+    with torch.inference_mode():
+        for logits in (True, False):
+            cache = model.new_cache(1, 128)
+            out = model(prompt, torch.arange(prompt_len)[None], cache, torch.tensor([0]), last_only=True, logits=logits)
+            assert (out is None) == (not logits)
+            step.append(model(torch.tensor([[7]]), torch.tensor([[prompt_len]]), cache, torch.tensor([0])))
+    assert torch.equal(step[0], step[1])

@@ -186,7 +186,7 @@ def generate(
         start = time.perf_counter()
         if prompt_len > 1:  # the last prompt token is fed by the first iteration, together with its drafts
             positions = torch.arange(prompt_len - 1, dtype=torch.int64)[None]  # [1, L-1]
-            model.forward(prompt_ids[None, :-1], positions, cache, slots, last_only=True)
+            model.forward(prompt_ids[None, :-1], positions, cache, slots, logits=False)  # fills the cache only
             stats.prefill_passes = 1
             stats.target_forward_passes = 1
         stats.prefill_ms = (time.perf_counter() - start) * 1e3

@@ -179,8 +179,8 @@ def _inference(*tensors: Tensor | None) -> bool:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [..., K] times weight [N, K] transposed (+ bias [N]) -> [..., N], like F.linear, faster on CPU.
 
-    - float32 activations on CPU, few rows (an LM head times 1..20, a layer's weight times 1..64), a float32 or
-      bfloat16 weight: specgate.models.native's C kernel, which reads the weight once for all rows (oneDNN and
+    - float32 activations on CPU, few rows (a float32 LM head times 1..20, a bf16 one times 1..64, a layer's weight
+      times 1..64), a float32 or bfloat16 weight: specgate.models.native's C kernel, which reads the weight once for all rows (oneDNN and
       MKL cost 2-3x a 1-row product for 2-9 rows; Gemma-3-270M's layer products: 0.6-0.9x oneDNN's time at 1 row,
       ~0.5-0.6x at 5 rows).
     - other float32 on CPU (a prefill, a wide serving batch): oneDNN's inner-product primitive
@@ -418,8 +418,13 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.norm_eps, gemma=True)
 
     def norms(self) -> list[RMSNorm]:
-        return [self.input_layernorm, self.post_attention_layernorm, *((self.pre_feedforward_layernorm, self.post_feedforward_layernorm) if self.gemma else ()),
-                *((self.self_attn.q_norm, self.self_attn.k_norm) if self.self_attn.q_norm is not None else ())]
+        """Every RMSNorm of the layer (Gemma's four around attention and MLP and its q/k norms; Llama's two)."""
+        norms = [self.input_layernorm, self.post_attention_layernorm]
+        if self.gemma:
+            norms += [self.pre_feedforward_layernorm, self.post_feedforward_layernorm]
+        if self.self_attn.q_norm is not None:
+            norms += [self.self_attn.q_norm, self.self_attn.k_norm]
+        return norms
 
     def forward(self, x: Tensor, batch: "Batch") -> Tensor:
         if self.gemma:
@@ -635,7 +640,8 @@ class CausalLM(nn.Module):
         *,
         last_only: bool = False,
         return_hidden: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        logits: bool = True,
+    ) -> Tensor | tuple[Tensor, Tensor] | None:
         """Score a (ragged) batch and write its K/V into the cache.
 
         input_ids [B, T] int64; positions [B, T] int64 absolute positions, -1 = padding (not written, not
@@ -643,7 +649,9 @@ class CausalLM(nn.Module):
         must be distinct, and every position below a query's own must already be in its slot (written by an
         earlier call or by this one). Returns logits [B, T, V] float32, or [B, V] with last_only (each row's
         last non-pad token); with return_hidden, (logits, hidden) with the final-norm hidden state [B, T, H]
-        (or [B, H] with last_only).
+        (or [B, H] with last_only). With logits=False the call only writes the K/V (a prefill chunk whose logits
+        nobody samples: the final norm and the LM head, 168M of Gemma-3-270M's 268M weights, are skipped) and
+        returns None.
         """
         if input_ids.dim() != 2 or positions.shape != input_ids.shape:
             raise ValueError(
@@ -679,9 +687,11 @@ class CausalLM(nn.Module):
         if self.args.embed_scale is not None:  # Gemma: the scale is rounded to the weights' dtype first, as transformers does
             x = x * torch.tensor(self.args.embed_scale, dtype=self.dtype).to(compute_dtype)
         if stack is not None and x.is_contiguous():
-            return self._stack_forward(stack, x, valid, positions, slots, cache, real_rows, last_only, return_hidden)
+            return self._stack_forward(stack, x, valid, positions, slots, cache, real_rows, last_only, return_hidden, logits)
         for block in self.layers:
             x = block(x, batch)
+        if not logits:
+            return None
         hidden = self.norm(x)  # [B, T, H]
 
         if last_only:
@@ -700,7 +710,8 @@ class CausalLM(nn.Module):
         return logits
 
     def _stack_forward(self, stack: "native.DecodeStack", x: Tensor, valid: Tensor, positions: Tensor, slots: Tensor,
-                       cache: KVCache, real_rows: int, last_only: bool, return_hidden: bool) -> Tensor | tuple[Tensor, Tensor]:
+                       cache: KVCache, real_rows: int, last_only: bool, return_hidden: bool,
+                       logits: bool = True) -> Tensor | tuple[Tensor, Tensor] | None:
         """forward() through the C stack, on the real tokens only: a ragged batch's padding (a verification row with
         fewer drafts than the widest, a shorter prompt chunk) is neither run through the layers nor scored by the
         head, the way a flat ragged batch (vLLM's) costs its real tokens alone. Padding positions get zero logits
@@ -717,6 +728,8 @@ class CausalLM(nn.Module):
         else:
             keep, packed = None, flat
             stack.run(flat, flat_positions.contiguous(), flat_slots.contiguous(), cache.keys, cache.values)
+        if not logits:
+            return None
         hidden = self.norm(packed)  # [R, H]
         if last_only:
             steps = torch.arange(T, device=positions.device)  # [T]

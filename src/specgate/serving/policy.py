@@ -476,7 +476,7 @@ def calibrate_cost_model(
         for role, model in [("target", target_model)] + ([("draft", draft_model)] if draft_model is not None else []):
             cache = caches[role] = model.new_cache(max_batch, seq_len)
             ids = torch.ones(max_batch, context_len, dtype=torch.int64)  # [B, L]
-            model.forward(ids, torch.arange(context_len)[None].expand(max_batch, -1), cache, torch.arange(max_batch), last_only=True)
+            model.forward(ids, torch.arange(context_len)[None].expand(max_batch, -1), cache, torch.arange(max_batch), logits=False)
         for sweep in range(repeats + 1):  # sweep 0 warms up
             # each sweep in another (seeded) order: the pass right after a wide one measured ~1.4x slow (caches,
             # threads), and a fixed order, or a rotation of it, would put the same point there every sweep

@@ -16,10 +16,11 @@ then decoded step by step while other requests join and leave between steps. One
      absolute positions (-1 pads shorter rows). A row whose logits are not finite (NaN/inf) fails its request
      alone (finish_reason "error", Request.error says why); the other rows go on in the same step.
   5. verify: one `greedy_verify` (every row greedy) or one `rejection_sample` / `verify` call for the whole
-     batch, with one torch.Generator per request (seeded from the request's seed, like engine.generate). The
-     time from the forward to here goes to policy.observe_step (the adaptive cost model corrects itself live).
+     batch, with one torch.Generator per request (seeded from the request's seed, like engine.generate).
   6. commit: EOS, stop strings (engine's OutputText semantics) and max_tokens end a request; its slot is freed
-     at once, so a waiting request can take it at the next step.
+     at once, so a waiting request can take it at the next step. The step's time, its draft passes excepted,
+     goes to policy.observe_step (the adaptive cost model corrects itself live with what a step really costs,
+     lookups, verification and commit included).
 
 Preemption: none is ever needed. Admission reserves a slot's full length, prompt + max_tokens positions
 (every position a request can write, drafts included, is below that), so a running request can never run out
@@ -510,7 +511,7 @@ class Scheduler:
             ids[row, :count] = request.prompt_ids[first : first + count]
             positions[row, :count] = torch.arange(first, first + count)
         slots = torch.tensor([r.slot for r, _, _ in rows], dtype=torch.int64)  # [B]
-        self.target.model.forward(ids, positions, self.cache, slots, last_only=True)
+        self.target.model.forward(ids, positions, self.cache, slots, logits=False)  # the cache only: no head pass
         for request, first, count in rows:
             self._state[request.request_id]["prefilled"] = first + count
 
@@ -584,8 +585,6 @@ class Scheduler:
             draft_tokens, target_logits = draft_tokens[index], target_logits[index]
         # 5. one batched verification with per-request generators
         result = self._verify(running, states, drafts, draft_tokens, torch.tensor(num_drafts), target_logits)
-        # the adaptive cost model learns (a runtime that packs costs the real tokens, not the padded rectangle)
-        self.policy.observe_step(batch, width + 1, 1e3 * (time.perf_counter() - forward_start), real_tokens=batch + sum(num_drafts))
         # 6. commit
         now = time.perf_counter()
         step_stats = {"num_drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_position": [0] * width}
@@ -599,6 +598,11 @@ class Scheduler:
             committed += len(request.tokens) - before
         if self.metrics is not None:
             self.metrics.on_step(step_stats, lossless=bool(result.lossless))
+        # the adaptive cost model learns the whole step but its draft passes (priced on their own): the lookups,
+        # the forward, the verification and the commit, which grow with the tokens a step scores and emits (a
+        # runtime that packs costs the real tokens, not the padded rectangle)
+        step_ms = 1e3 * (time.perf_counter() - step_start - draft_s)
+        self.policy.observe_step(batch, width + 1, step_ms, real_tokens=batch + sum(num_drafts))
         self._update_gauges()
         if self.trace is not None:  # one record per decode step, for benchmarks (times in ms)
             self.trace.append({
