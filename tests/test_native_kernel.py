@@ -370,3 +370,33 @@ def test_a_cache_only_forward_writes_the_same_cache(tiny_model_dir, prompt_len):
             assert (out is None) == (not logits)
             step.append(model(torch.tensor([[7]]), torch.tensor([[prompt_len]]), cache, torch.tensor([0])))
     assert torch.equal(step[0], step[1])
+
+
+def test_forward_writes_logits_into_a_given_buffer(tiny_model_dir):
+    """out=: the logits land in the caller's buffer (returned), equal to a fresh forward's, padding zeroed, on the
+    stack path and the per-layer path; a buffer of the wrong shape is refused with the shape it needs."""
+    from specgate.models import load_model
+
+    model = load_model(str(tiny_model_dir("gemma3")), dtype=torch.float32).model
+    ids = torch.randint(4, 500, (2, 4), generator=torch.Generator().manual_seed(9))
+    positions = torch.tensor([[10, 11, 12, 13], [20, -1, -1, -1]])
+    with torch.inference_mode():
+        for use_stack in (True, False):
+            saved = model.native_stack
+            if not use_stack:
+                model.native_stack = lambda: None
+            try:
+                cache = model.new_cache(2, 32)
+                model(torch.ones(2, 20, dtype=torch.int64), torch.arange(20)[None].expand(2, -1), cache, torch.tensor([0, 1]), logits=False)
+                fresh = model(ids, positions, cache, torch.tensor([0, 1]))
+                buffer = torch.full((2, 4, model.vocab_size), float("nan"))
+                written = model(ids, positions, cache, torch.tensor([0, 1]), out=buffer)
+            finally:
+                model.native_stack = saved
+            assert written.data_ptr() == buffer.data_ptr()
+            valid = positions >= 0
+            assert torch.equal(written[valid], fresh[valid])
+            if use_stack:
+                assert (written[~valid] == 0).all()
+        with pytest.raises(ValueError, match=r"out \(2, 3, 512\) .* logits' shape \(2, 4, 512\)"):
+            model(ids, positions, model.new_cache(2, 32), torch.tensor([0, 1]), out=torch.empty(2, 3, 512))

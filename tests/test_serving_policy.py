@@ -44,14 +44,11 @@ def test_cost_model_interpolates_and_extrapolates():
 
 def brute_force_goodput(cost: CostModel, rates: list[list[float]], gammas: tuple[int, ...]) -> float:
     """Independent oracle: expected tokens (1 + sum_k prod_{j<=k} a_j per request) over the step's modelled
-    time (draft pass s runs over the rows with gamma >= s; the target pass is padded to the widest row, or, with
-    packed_max_rows, costs like its real tokens spread over the batch while they fit)."""
+    time (draft pass s runs over the rows with gamma >= s; the target pass is priced padded to the widest row)."""
     tokens = sum(1.0 + sum(float(np.prod(r[:k])) for k in range(1, g + 1)) for r, g in zip(rates, gammas))
-    width, batch = max(gammas), len(rates)
+    width = max(gammas)
     drafts_ms = sum(cost.draft_step_ms(sum(g >= s for g in gammas)) for s in range(1, width + 1))
-    real = batch + sum(gammas)
-    per_row = real / batch if cost.packed_max_rows and real <= cost.packed_max_rows else width + 1
-    return tokens / (drafts_ms + cost.target_step_ms(batch, per_row))
+    return tokens / (drafts_ms + cost.target_step_ms(len(rates), width + 1))
 
 
 def test_adaptive_speculates_alone_and_stops_under_heavy_batch_cost():
@@ -97,39 +94,6 @@ def test_adaptive_choice_is_the_best_gamma_vector(seed):
             assert max(chosen) == policy.incumbent, (rates, caps, chosen)
         elif held < best * (1 - margin) * (1 - 1e-9):
             assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - 1e-9), (rates, caps, chosen)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_packed_pricing_finds_the_best_vector_with_lookup_drafts(seed):
-    """A runtime that runs only the real tokens (packed_max_rows): against the exhaustive search priced the same
-    way, the policy finds the best gamma vector for free (lookup) drafts, including mixed vectors the width
-    family cannot express (one request at 4, another at 1); past the packing limit the padded price applies."""
-    rng = np.random.default_rng(100 + seed)
-    for _ in range(25):
-        batch, gamma_max = int(rng.integers(1, 5)), 4
-        packed_max = int(rng.choice([4, 8, 64]))
-        cost = CostModel(ANCHOR_MS, packed_max_rows=packed_max)
-        rates = rng.random((batch, gamma_max)).tolist()
-        caps = rng.integers(0, gamma_max + 1, batch).tolist()
-        scored = [(brute_force_goodput(cost, rates, v), v) for v in itertools.product(*[range(c + 1) for c in caps])]
-        best = max(goodput for goodput, _ in scored)
-        chosen = AdaptivePolicy(cost, gamma_max=gamma_max, margin=0.0).choose(rates, caps)
-        assert all(0 <= g <= c for g, c in zip(chosen, caps))
-        assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - 1e-9), (rates, caps, chosen, packed_max)
-
-
-def test_packing_prices_a_mixed_plan_by_its_real_tokens():
-    """16 requests, one with a long accepted run ahead: padded, drafting 8 for it alone costs a (16, 9) step and
-    does not pay; packed, it costs (16 + 8) real tokens and does. Negative control: the same policy without
-    packing keeps everyone at 0."""
-    rates = [[0.95] * 8] + [[0.05] * 8] * 15
-    padded = AdaptivePolicy(CostModel(ANCHOR_MS), gamma_max=8, margin=0.0)
-    packed = AdaptivePolicy(CostModel(ANCHOR_MS, packed_max_rows=64), gamma_max=8, margin=0.0)
-    assert padded.choose(rates) == [0] * 16
-    chosen = packed.choose(rates)
-    assert chosen[0] >= 4 and sum(chosen[1:]) <= 1
-    with pytest.raises(ValueError, match="packed_max_rows=-1"):
-        CostModel(ANCHOR_MS, packed_max_rows=-1)
 
 
 def test_margin_holds_the_incumbent_width_of_near_equal_plans():

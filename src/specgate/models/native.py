@@ -94,8 +94,8 @@ static inline __m256 load_bf16(const uint16_t* p) {
    5 rows, 37 -> 33 ms; on the Intel Ice Lake VM at one row too: bf16 layer products 15 -> 11 ms). The products
    and sums are float32 in the same order for both weight types. */
 #define BLOCK(RR, NAME, WT, LOADW)                                                                        \
-static void NAME##RR(int prefetch, const float* x, const WT* w, const float* bias, int64_t K, int64_t N,  \
-                     float* o, int64_t n, int nn) {                                                       \
+static void NAME##RR(int prefetch, const float* x, const WT* w, const float* bias, int64_t K,             \
+                     float* const* o, int64_t n, int nn) {                                                \
     const WT* wr[4];                                                                                      \
     for (int j = 0; j < 4; ++j) wr[j] = w + (j < nn ? j : nn - 1) * K;                                    \
     __m256 acc[RR][4];                                                                                    \
@@ -110,22 +110,25 @@ static void NAME##RR(int prefetch, const float* x, const WT* w, const float* bia
         }                                                                                                 \
     }                                                                                                     \
     for (int i = 0; i < RR; ++i) for (int j = 0; j < nn; ++j)                                             \
-        o[i * N + n + j] = bias ? hsum(acc[i][j]) + bias[n + j] : hsum(acc[i][j]);                        \
+        o[i][n + j] = bias ? hsum(acc[i][j]) + bias[n + j] : hsum(acc[i][j]);                             \
 }
 
 /* The blocks b_lo..b_hi-1 (4 rows of W each) of O [R, N] = X [R, K] @ W [N, K]^T (+ BIAS [N]): one thread's
    share of a product. K % 8 == 0. */
 #define RANGE(NAME, WT, B)                                                                                \
-static void NAME(const float* X, const WT* W, const float* BIAS, float* O, int64_t R, int64_t K, int64_t N, \
-                 int64_t b_lo, int64_t b_hi) {                                                            \
+static void NAME(const float* X, const WT* W, const float* BIAS, float* O, const int64_t* ROWS, int64_t R,  \
+                 int64_t K, int64_t N, int64_t b_lo, int64_t b_hi) {                                      \
     for (int64_t b = b_lo; b < b_hi; ++b) {                                                               \
         const int64_t n = b * 4;                                                                          \
         const int nn = (int)(N - n < 4 ? N - n : 4);                                                      \
         const WT* w = W + n * K;                                                                          \
-        int64_t r = 0;                                                                                    \
-        for (; r + 3 <= R; r += 3) B##3(r == 0, X + r * K, w, BIAS, K, N, O + r * N, n, nn);              \
-        if (R - r == 2) B##2(r == 0, X + r * K, w, BIAS, K, N, O + r * N, n, nn);                         \
-        else if (R - r == 1) B##1(r == 0, X + r * K, w, BIAS, K, N, O + r * N, n, nn);                    \
+        for (int64_t r = 0; r < R; r += 3) {                                                              \
+            float* out[3];                                                                                \
+            for (int i = 0; i < 3 && r + i < R; ++i) out[i] = O + (ROWS ? ROWS[r + i] : r + i) * N;       \
+            if (R - r >= 3) B##3(r == 0, X + r * K, w, BIAS, K, out, n, nn);                              \
+            else if (R - r == 2) B##2(r == 0, X + r * K, w, BIAS, K, out, n, nn);                         \
+            else B##1(r == 0, X + r * K, w, BIAS, K, out, n, nn);                                         \
+        }                                                                                                 \
     }                                                                                                     \
 }
 BLOCK(1, block_f32_, float, load_f32)
@@ -150,7 +153,7 @@ static inline AVX512 __m512 load16_bf16(const uint16_t* p) {
 }
 #define BLOCK512(RR, NAME, WT, LOADW)                                                                     \
 static AVX512 void NAME##RR(int prefetch, const float* x, const WT* w, const float* bias, int64_t K,      \
-                            int64_t N, float* o, int64_t n, int nn) {                                     \
+                            float* const* o, int64_t n, int nn) {                                         \
     const WT* wr[4];                                                                                      \
     for (int j = 0; j < 4; ++j) wr[j] = w + (j < nn ? j : nn - 1) * K;                                    \
     __m512 acc[RR][4];                                                                                    \
@@ -165,27 +168,27 @@ static AVX512 void NAME##RR(int prefetch, const float* x, const WT* w, const flo
         }                                                                                                 \
     }                                                                                                     \
     for (int i = 0; i < RR; ++i) for (int j = 0; j < nn; ++j)                                             \
-        o[i * N + n + j] = bias ? _mm512_reduce_add_ps(acc[i][j]) + bias[n + j] : _mm512_reduce_add_ps(acc[i][j]); \
+        o[i][n + j] = bias ? _mm512_reduce_add_ps(acc[i][j]) + bias[n + j] : _mm512_reduce_add_ps(acc[i][j]); \
 }
 #define RANGE512(NAME, WT, B)                                                                             \
-static AVX512 void NAME(const float* X, const WT* W, const float* BIAS, float* O, int64_t R, int64_t K,   \
-                        int64_t N, int64_t b_lo, int64_t b_hi) {                                          \
+static AVX512 void NAME(const float* X, const WT* W, const float* BIAS, float* O, const int64_t* ROWS,     \
+                        int64_t R, int64_t K, int64_t N, int64_t b_lo, int64_t b_hi) {                    \
     for (int64_t b = b_lo; b < b_hi; ++b) {                                                               \
         const int64_t n = b * 4;                                                                          \
         const int nn = (int)(N - n < 4 ? N - n : 4);                                                      \
         const WT* w = W + n * K;                                                                          \
-        int64_t r = 0;                                                                                    \
-        for (; r + 6 <= R; r += 6) B##6(r == 0, X + r * K, w, BIAS, K, N, O + r * N, n, nn);              \
-        const int first = r == 0;                                                                         \
-        const float* x = X + r * K;                                                                       \
-        float* o = O + r * N;                                                                             \
-        switch (R - r) {                                                                                  \
-            case 5: B##5(first, x, w, BIAS, K, N, o, n, nn); break;                                       \
-            case 4: B##4(first, x, w, BIAS, K, N, o, n, nn); break;                                       \
-            case 3: B##3(first, x, w, BIAS, K, N, o, n, nn); break;                                       \
-            case 2: B##2(first, x, w, BIAS, K, N, o, n, nn); break;                                       \
-            case 1: B##1(first, x, w, BIAS, K, N, o, n, nn); break;                                       \
-            default: break;                                                                               \
+        for (int64_t r = 0; r < R; r += 6) {                                                              \
+            float* out[6];                                                                                \
+            for (int i = 0; i < 6 && r + i < R; ++i) out[i] = O + (ROWS ? ROWS[r + i] : r + i) * N;       \
+            const float* x = X + r * K;                                                                   \
+            switch (R - r >= 6 ? 6 : R - r) {                                                             \
+                case 6: B##6(r == 0, x, w, BIAS, K, out, n, nn); break;                                   \
+                case 5: B##5(r == 0, x, w, BIAS, K, out, n, nn); break;                                   \
+                case 4: B##4(r == 0, x, w, BIAS, K, out, n, nn); break;                                   \
+                case 3: B##3(r == 0, x, w, BIAS, K, out, n, nn); break;                                   \
+                case 2: B##2(r == 0, x, w, BIAS, K, out, n, nn); break;                                   \
+                default: B##1(r == 0, x, w, BIAS, K, out, n, nn); break;                                  \
+            }                                                                                             \
         }                                                                                                 \
     }                                                                                                     \
 }
@@ -196,24 +199,27 @@ BLOCKS512(b512_bf16_, uint16_t, load16_bf16)
 RANGE512(range512_f32, float, b512_f32_)
 RANGE512(range512_bf16, uint16_t, b512_bf16_)
 
-/* Thread t of T's share of one product, in the variant the weight's dtype (BF16), the CPU (WIDE) and K decide. */
-static void product_part(int bf16, int wide, const float* X, const void* W, const float* BIAS, float* O, int64_t R,
-                         int64_t K, int64_t N, int t, int T) {
+/* Thread t of T's share of one product, in the variant the weight's dtype (BF16), the CPU (WIDE) and K decide.
+   Row r of the output goes to row ROWS[r] of O (ROWS NULL: row r). */
+static void product_part(int bf16, int wide, const float* X, const void* W, const float* BIAS, float* O,
+                         const int64_t* ROWS, int64_t R, int64_t K, int64_t N, int t, int T) {
     const int64_t blocks = (N + 3) / 4, lo = blocks * t / T, hi = blocks * (t + 1) / T;
     if (wide && K % 16 == 0) {
-        if (bf16) range512_bf16(X, (const uint16_t*)W, BIAS, O, R, K, N, lo, hi);
-        else range512_f32(X, (const float*)W, BIAS, O, R, K, N, lo, hi);
+        if (bf16) range512_bf16(X, (const uint16_t*)W, BIAS, O, ROWS, R, K, N, lo, hi);
+        else range512_f32(X, (const float*)W, BIAS, O, ROWS, R, K, N, lo, hi);
     } else {
-        if (bf16) range_bf16(X, (const uint16_t*)W, BIAS, O, R, K, N, lo, hi);
-        else range_f32(X, (const float*)W, BIAS, O, R, K, N, lo, hi);
+        if (bf16) range_bf16(X, (const uint16_t*)W, BIAS, O, ROWS, R, K, N, lo, hi);
+        else range_f32(X, (const float*)W, BIAS, O, ROWS, R, K, N, lo, hi);
     }
 }
 
-/* O [R, N] = X [R, K] @ W [N, K]^T: X and O float32, W float32 (bf16 = 0) or bf16 (bf16 = 1); the 4-row blocks of
-   W split over `threads` OpenMP threads, each streaming one contiguous range. K % 8 == 0. */
-void skinny(const float* X, const void* W, float* O, int64_t R, int64_t K, int64_t N, int bf16, int wide, int threads) {
+/* O [rows, N] = X [R, K] @ W [N, K]^T: X and O float32, W float32 (bf16 = 0) or bf16 (bf16 = 1); the 4-row blocks of
+   W split over `threads` OpenMP threads, each streaming one contiguous range. K % 8 == 0. ROWS [R] (or NULL): the
+   output row of each row of X (a ragged batch's real tokens scored straight into their padded places). */
+void skinny(const float* X, const void* W, float* O, const int64_t* ROWS, int64_t R, int64_t K, int64_t N, int bf16,
+            int wide, int threads) {
     #pragma omp parallel num_threads(threads)
-    product_part(bf16, wide, X, W, NULL, O, R, K, N, omp_get_thread_num(), omp_get_num_threads());
+    product_part(bf16, wide, X, W, NULL, O, ROWS, R, K, N, omp_get_thread_num(), omp_get_num_threads());
 }
 
 /* Sum of X [N] (N % 64 == 0) with 8 independent accumulators, split over `threads`: a streaming read at the
@@ -541,7 +547,7 @@ void decode_layers(float* X, int64_t R, const int64_t* POS, const int64_t* SLOT,
             const Layer* y = layers + l;
             for (int64_t r = r_lo; r < r_hi; ++r) norm_row(X + r * H, y->norm_in, h + r * H, H, c->eps);
             #pragma omp barrier
-            product_part(c->bf16, c->wide, h, y->wqkv, y->bqkv, qkv, R, H, QKV_W, t, T);
+            product_part(c->bf16, c->wide, h, y->wqkv, y->bqkv, qkv, NULL, R, H, QKV_W, t, T);
             #pragma omp barrier
             for (int64_t r = r_lo; r < r_hi; ++r)
                 if (POS[r] >= 0)
@@ -553,7 +559,7 @@ void decode_layers(float* X, int64_t R, const int64_t* POS, const int64_t* SLOT,
                             y->window, y->scale, attn + r * HQ * D + head * D, e);
             }
             #pragma omp barrier
-            product_part(c->bf16, c->wide, attn, y->wo, y->bo, o, R, HQ * D, H, t, T);
+            product_part(c->bf16, c->wide, attn, y->wo, y->bo, o, NULL, R, HQ * D, H, t, T);
             #pragma omp barrier
             for (int64_t r = r_lo; r < r_hi; ++r) {
                 float* x = X + r * H;
@@ -565,14 +571,14 @@ void decode_layers(float* X, int64_t R, const int64_t* POS, const int64_t* SLOT,
                 }
             }
             #pragma omp barrier
-            product_part(c->bf16, c->wide, h, y->wgu, y->bgu, gu, R, H, 2 * I, t, T);
+            product_part(c->bf16, c->wide, h, y->wgu, y->bgu, gu, NULL, R, H, 2 * I, t, T);
             #pragma omp barrier
             for (int64_t v = R * (I / 8) * t / T; v < R * (I / 8) * (t + 1) / T; ++v) {
                 const int64_t r = v / (I / 8), i = (v % (I / 8)) * 8;
                 _mm256_storeu_ps(mid + r * I + i, gated8(_mm256_loadu_ps(gu + r * 2 * I + i), _mm256_loadu_ps(gu + r * 2 * I + I + i), c->act));
             }
             #pragma omp barrier
-            product_part(c->bf16, c->wide, mid, y->wd, y->bd, o, R, I, H, t, T);
+            product_part(c->bf16, c->wide, mid, y->wd, y->bd, o, NULL, R, I, H, t, T);
             #pragma omp barrier
             for (int64_t r = r_lo; r < r_hi; ++r) {
                 float* x = X + r * H;
@@ -627,7 +633,7 @@ def _library() -> ctypes.CDLL | None:
         library = ctypes.CDLL(str(path))
     except OSError:
         return None
-    library.skinny.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3
+    library.skinny.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3
     library.skinny.restype = None
     library.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     library.rms_norm.restype = None
@@ -706,16 +712,20 @@ def skinny_linear(x: Tensor, weight: Tensor) -> Tensor:
     return skinny_product(x.contiguous(), weight, library)
 
 
-def skinny_product(x: Tensor, weight: Tensor, library: ctypes.CDLL | None = None) -> Tensor:
+def skinny_product(x: Tensor, weight: Tensor, library: ctypes.CDLL | None = None, out: Tensor | None = None,
+                   out_rows: Tensor | None = None) -> Tensor:
     """skinny_linear without its checks, for a caller that made them (transformer.linear after applies(): a decode
-    step's ~70 products are not validated twice). x [R, K] contiguous float32."""
+    step's ~70 products are not validated twice). x [R, K] contiguous float32. With out (contiguous float32
+    [M, N]) and out_rows (int64 [R], distinct, in 0..M-1) row r of the product is written to out[out_rows[r]] and
+    out is returned: a ragged batch's real tokens scored straight into their padded places."""
     library = library or _library()
     rows, k = x.shape
-    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)  # [R, N]
+    if out is None:
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)  # [R, N]
     # one call (ctypes drops the GIL) whose OpenMP loop runs on torch's own OpenMP threads; the AVX-512 variant
     # serves where the CPU has it and K % 16 == 0: decided by the CPU and K alone, never by R (batch invariance)
-    library.skinny(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, k, weight.shape[0],
-                   int(weight.dtype == torch.bfloat16), int(wide_vectors()), torch.get_num_threads())
+    library.skinny(x.data_ptr(), weight.data_ptr(), out.data_ptr(), out_rows.data_ptr() if out_rows is not None else None,
+                   rows, k, weight.shape[0], int(weight.dtype == torch.bfloat16), int(wide_vectors()), torch.get_num_threads())
     return out
 
 

@@ -19,11 +19,12 @@ adaptive policy searches, for every width W in 1..gamma_max and every k, the pla
 expected extra tokens at min(cap_i, W) drafts get that many, the others 0", plus "everyone 0", and keeps the
 best (ties go to fewer drafts). With free lookup drafts a request drafts whenever the width is paid for anyway;
 with a draft model, a request whose drafts are rarely accepted is dropped when its rows in the draft passes
-cost more than its expected extra tokens are worth. Where the runtime runs only a step's real tokens (the C
-stack skips padding: CostModel.packed_max_rows), a step costs its real tokens rather than its widest row while
-they fit, so the search also takes, for every total n, the n most valuable draft positions across requests (one
-request may draft 8 while another drafts 1), priced exactly; the exhaustive tests check that the union of both
-families finds the best vector for lookup drafts.
+cost more than its expected extra tokens are worth. Plans are priced as their padded rectangle (batch x widest
+row + 1), although the C stack runs only a step's real tokens: pricing a mixed plan by its real tokens, and
+searching per-position plans (one request drafting 8, another 1) on that price, measured worse (Gemma-3-270M,
+concurrency 4: 0.82-0.87x of fixed gamma 2 against 1.07x), because a padded step still pays its logits, their
+passes and its bookkeeping per padded position, and because the more plans the argmax can choose from on noisy
+per-request estimates, the more optimistic the one it picks. The padded price is the conservative one.
 
 Robustness. The optimum is flat and the predictions carry noise (per-request acceptance estimates, step-time
 jitter), so the width must not flip from step to step on estimate noise: the width that ran last (the
@@ -76,9 +77,9 @@ class SpeculationPolicy(ABC):
     def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
         """One gamma (>= 0) per running request; the scheduler clips each to caps[i] anyway."""
 
-    def observe_step(self, batch: int, width_tokens: int, target_ms: float, real_tokens: int | None = None) -> None:
-        """A measured target step (forward + verification of `batch` rows padded to `width_tokens` each, of which
-        `real_tokens` in all are real); most policies ignore it."""
+    def observe_step(self, batch: int, width_tokens: int, target_ms: float) -> None:
+        """A measured step (`batch` rows, padded to `width_tokens` tokens each; its draft passes excepted); most
+        policies ignore it."""
 
     def describe(self) -> dict:
         return {"policy": self.name}
@@ -181,13 +182,10 @@ class CostModel:
     target_ms: dict[tuple[int, int], float]
     draft_ms: dict[int, float] = field(default_factory=dict)
     live_rate: float = DEFAULT_LIVE_RATE
-    packed_max_rows: int = 0  # the runtime runs only a step's real tokens up to this many (0: every row padded)
 
     def __post_init__(self) -> None:
         if not self.target_ms:
             raise ValueError("target_ms is empty: the cost model needs at least one measured (batch, tokens) time")
-        if self.packed_max_rows < 0:
-            raise ValueError(f"packed_max_rows={self.packed_max_rows} must be >= 0 (0 = the runtime pads every row to the widest)")
         if not 0.0 <= self.live_rate <= 1.0:
             raise ValueError(f"live_rate={self.live_rate} is out of range [0, 1] (0 = keep the calibration, no live correction)")
         self.batches = sorted({b for b, _ in self.target_ms})
@@ -227,14 +225,6 @@ class CostModel:
         by_batch = [self._interp(tokens_per_row, self.tokens, [grid[(b, t)] for t in self.tokens]) for b in self.batches]
         return self._interp(batch, self.batches, by_batch)
 
-    def tokens_per_row(self, batch: int, width_tokens: int, real_tokens: int | None) -> float:
-        """The rectangle a step costs like: a runtime that packs (packed_max_rows) runs only the real tokens, so up
-        to that many a step of `real_tokens` costs like batch x real_tokens / batch; beyond it (or without
-        packing) every row is padded to `width_tokens`."""
-        if real_tokens is not None and 0 < real_tokens <= self.packed_max_rows:
-            return real_tokens / batch
-        return float(width_tokens)
-
     def observe(self, batch: int, tokens_per_row: float, measured_ms: float) -> None:
         """One target step measured while serving: move the grid points around it towards measured / predicted."""
         if self.live_rate == 0.0 or not measured_ms > 0.0 or not np.isfinite(measured_ms):
@@ -259,7 +249,7 @@ class CostModel:
         return {
             "target_ms": [[b, t, round(ms, 3)] for (b, t), ms in sorted(self.target_ms.items())],
             "draft_ms": [[b, round(ms, 3)] for b, ms in sorted(self.draft_ms.items())],
-            "live_rate": self.live_rate, "observations": self.observations, "packed_max_rows": self.packed_max_rows,
+            "live_rate": self.live_rate, "observations": self.observations,
             "live_correction": [[b, t, round(f, 3)] for (b, t), f in sorted(self.correction.items())],
         }
 
@@ -335,49 +325,13 @@ class AdaptivePolicy(SpeculationPolicy):
             ranked = gammas[order]  # [B]
             # prefix k (rows order[:k] draft): rows in the s-th draft pass, the widest row, the expected tokens
             drafting = np.cumsum(ranked[:, None] >= np.arange(1, width + 1)[None], axis=0)  # [B, W]
-            verify_ms = target_ms[np.maximum.accumulate(ranked)]  # [B] every row padded to the widest
-            if self.cost_model.packed_max_rows:  # a packing runtime runs only the real tokens, up to its limit
-                real = batch + np.cumsum(ranked)  # [B] tokens of prefix k
-                packed_ms = np.interp(real / batch, np.arange(1, self.gamma_max + 2), target_ms)  # [B]
-                verify_ms = np.where(real <= self.cost_model.packed_max_rows, packed_ms, verify_ms)
-            cost_ms = draft_ms[drafting].sum(axis=1) + verify_ms  # [B]
+            cost_ms = draft_ms[drafting].sum(axis=1) + target_ms[np.maximum.accumulate(ranked)]  # [B]
             goodput = (batch + np.cumsum(value[order])) / cost_ms  # [B]
             k = int(np.argmax(goodput))
             chosen = np.zeros(batch, dtype=int)
             chosen[order[: k + 1]] = ranked[: k + 1]
             plans.append((float(goodput[k]), chosen))
-        if self.cost_model.packed_max_rows:
-            plans += self._packed_plans(gain, limit, target_ms, draft_ms)
         return plans
-
-    def _packed_plans(self, gain: np.ndarray, limit: np.ndarray, target_ms: np.ndarray, draft_ms: np.ndarray) -> list[tuple[float, np.ndarray]]:
-        """With a packing runtime a step costs its real tokens, not its widest row, so the best plan of n drafts in
-        all gives them to the n most valuable draft positions across requests (each request's marginal value,
-        prod_{j<=g} a_j, falls with g, so a request's positions are taken in order): the best plan of every
-        total n, priced exactly (draft passes by rows, verification packed up to the limit, padded past it)."""
-        batch = gain.shape[0]
-        marginal = np.diff(gain, axis=1)  # [B, G]: the g-th draft's expected accepted tokens
-        usable = np.arange(1, self.gamma_max + 1)[None, :] <= limit[:, None]  # [B, G]
-        rows, cols = np.nonzero(usable)
-        if rows.size == 0:
-            return []
-        order = np.argsort(-marginal[rows, cols], kind="stable")  # [N] most valuable first
-        taken = np.zeros((rows.size, batch), dtype=int)  # [N, B]: gammas of the plan with the top n + 1 positions
-        taken[np.arange(rows.size), rows[order]] = 1
-        gammas = np.cumsum(taken, axis=0)  # [N, B]
-        real = batch + np.arange(1, rows.size + 1)  # [N] tokens scored
-        widest = gammas.max(axis=1)  # [N]
-        per_pass = (gammas[:, :, None] >= np.arange(1, self.gamma_max + 1)[None, None, :]).sum(axis=1)  # [N, G] rows per draft pass
-        drafts = draft_ms[per_pass].sum(axis=1)  # [N] (a pass of 0 rows costs draft_ms[0] = 0)
-        packed = np.interp(real / batch, np.arange(1, self.gamma_max + 2), target_ms)  # [N]
-        verify = np.where(real <= self.cost_model.packed_max_rows, packed, target_ms[widest])  # [N]
-        goodput = (batch + np.cumsum(marginal[rows, cols][order])) / (drafts + verify)  # [N]
-        best_by_width = {}
-        for n in range(rows.size):  # the best plan of each width (the hysteresis holds widths)
-            width = int(widest[n])
-            if width not in best_by_width or goodput[n] > best_by_width[width][0]:
-                best_by_width[width] = (float(goodput[n]), gammas[n])
-        return list(best_by_width.values())
 
     def plan(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> tuple[list[int], float]:
         """The chosen gamma per request and its expected goodput (tokens per ms): the incumbent width's plan while
@@ -402,14 +356,13 @@ class AdaptivePolicy(SpeculationPolicy):
         tokens = batch + sum(float(gain[i, g - 1]) for i, g in enumerate(gammas) if g > 0)
         rows_per_pass = [sum(g >= s for g in gammas) for s in range(1, max(gammas, default=0) + 1)]
         drafts_ms = sum(self.cost_model.draft_step_ms(rows) for rows in rows_per_pass)
-        per_row = self.cost_model.tokens_per_row(batch, max(gammas, default=0) + 1, batch + sum(gammas))
-        return tokens / (drafts_ms + self.cost_model.target_step_ms(batch, per_row))
+        return tokens / (drafts_ms + self.cost_model.target_step_ms(batch, max(gammas, default=0) + 1))
 
     def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
         return self.plan(acceptance, caps)[0]
 
-    def observe_step(self, batch: int, width_tokens: int, target_ms: float, real_tokens: int | None = None) -> None:
-        self.cost_model.observe(batch, self.cost_model.tokens_per_row(batch, width_tokens, real_tokens), target_ms)
+    def observe_step(self, batch: int, width_tokens: int, target_ms: float) -> None:
+        self.cost_model.observe(batch, width_tokens, target_ms)
 
     def describe(self) -> dict:
         return {
@@ -494,8 +447,7 @@ def calibrate_cost_model(
                     samples[(role, batch, tokens)].append((time.perf_counter() - start) * 1e3)
     target_ms = {(b, t): min(times) for (role, b, t), times in samples.items() if role == "target"}
     draft_ms = {b: min(times) for (role, b, _), times in samples.items() if role == "draft"}
-    packed = target_model.packed_rows_limit() if hasattr(target_model, "packed_rows_limit") else 0
-    return monotone(CostModel(target_ms=target_ms, draft_ms=draft_ms, packed_max_rows=packed))
+    return monotone(CostModel(target_ms=target_ms, draft_ms=draft_ms))
 
 
 def monotone(cost: CostModel) -> CostModel:
@@ -514,7 +466,7 @@ def monotone(cost: CostModel) -> CostModel:
     for batch in sorted(cost.draft_ms):
         running = max(running, cost.draft_ms[batch])
         draft_ms[batch] = running
-    return CostModel(target_ms=target_ms, draft_ms=draft_ms, live_rate=cost.live_rate, packed_max_rows=cost.packed_max_rows)
+    return CostModel(target_ms=target_ms, draft_ms=draft_ms, live_rate=cost.live_rate)
 
 
 def make_policy(name: str, *, gamma: int = 4, table: str | None = None, cost_model: CostModel | None = None) -> SpeculationPolicy:
