@@ -4,7 +4,9 @@ fixed gamma / adaptive, on one model (default Gemma-3-270M, runtime default dtyp
 For each lane and each concurrency C, C clients each submit a request, wait for it to finish and submit the
 next (closed loop). Method (built to beat this shared 2-core VM's 20-30% run-to-run noise):
 - one process, one loaded model; one scheduler per (lane, C), kept across repeats (the adaptive lane keeps
-  learning its traffic, as a running server does) and warmed up once when created;
+  learning its traffic, as a running server does) and warmed up once when created, with one full-length request
+  per client (every lane alike: kernels, caches and, for the adaptive lane, its acceptance and cost estimates
+  reach the state a running server is in, so the repeats measure that state, not the first minute);
 - lanes interleaved: for each repeat, for each C, every lane runs one point, in an order rotated per repeat, so
   lanes compared at one C ran minutes apart at most and none always goes first;
 - `--repeats` repeats of the whole sweep (identical workloads); medians over repeats, with the spread (min-max),
@@ -385,7 +387,7 @@ def main() -> None:
                                 target, draft, policy, num_slots=concurrency, max_seq_len=max_seq_len, max_waiting=concurrency
                             )
                             scheduler.start()
-                            run_point(scheduler, prompts, concurrency, 1, min(args.max_tokens, 8))  # warm-up
+                            run_point(scheduler, prompts, concurrency, 1, args.max_tokens)  # warm-up: one full request per client
                             scheduler.stop()
                         scheduler.start()
                         try:

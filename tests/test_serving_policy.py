@@ -167,7 +167,10 @@ def test_acceptance_stats_per_position():
     assert stats.accepted.tolist() == [1, 1, 0, 0, 0, 0] and stats.tested.tolist() == [1, 1, 1, 0, 0, 0]
     stats.observe(drafted=3, accepted=3)  # all accepted: nothing rejected, position 4 not tested
     assert stats.accepted.tolist() == [1.5, 1.5, 1, 0, 0, 0] and stats.tested.tolist() == [1.5, 1.5, 1.5, 0, 0, 0]
-    assert stats.profile(0.5, weight=1.0).tolist() == pytest.approx([0.8, 0.8, 0.6, 0.5, 0.5, 0.5])
+    # a number is position 1's prior; each later position's prior is the estimate before it (a chain)
+    assert stats.profile(0.5, weight=1.0).tolist() == pytest.approx([0.8, 0.92, 0.768, 0.768, 0.768, 0.768])
+    # a profile prior applies position by position
+    assert stats.profile(np.full(6, 0.5), weight=1.0).tolist() == pytest.approx([0.8, 0.8, 0.6, 0.5, 0.5, 0.5])
     stats.observe_first(0.25)
     assert stats.accepted[0] == pytest.approx(1.0) and stats.tested[0] == pytest.approx(1.75)
     stats.age(0.5)

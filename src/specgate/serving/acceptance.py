@@ -6,7 +6,8 @@ stops at the first rejection, so a step with d drafts of which j were accepted t
 proposal against the tokens actually produced, so positions beyond the verified drafts are tested too). Counts decay by `decay` at every observation, so the
 estimate follows recent behaviour; an estimate blends the counts with `prior_weight` pseudo-tests of a prior
 profile. A request's prior is the traffic's own estimate (all requests, slower decay), whose prior is a flat
-FLAT_PRIOR: a new request starts from what the server has been seeing, not from a constant guess.
+FLAT_PRIOR for position 1 and, for each later position, the estimate of the position before it (see profile): a new
+request starts from what the server has been seeing, not from a constant guess.
 
 Per position, not one alpha: lookup (n-gram) drafts are far from geometric. Gemma-3-270M, greedy, the bench
 prompts, gamma 8: 33 of 39 first drafts accepted (0.85), then 27/33, 27/27, 24/27, 24/24, 24/24, 24/24, 24/24:
@@ -62,5 +63,17 @@ class AcceptanceStats:
         self.tested *= factor
 
     def profile(self, prior: np.ndarray | float, weight: float = PRIOR_WEIGHT) -> np.ndarray:
-        """Conditional rates per position [K]: (accepted + weight * prior) / (tested + weight)."""
-        return (self.accepted + weight * np.asarray(prior, dtype=float)) / (self.tested + weight)
+        """Conditional rates per position [K]: (accepted + weight * prior) / (tested + weight). A profile prior
+        [K] applies position by position; a single number is the prior of position 1 only, and each later
+        position's prior is the estimate of the position before it (a chain): deep positions are tested only
+        when the earlier ones were accepted, so they carry the least evidence, and "like the position before"
+        is the right guess for i.i.d. acceptance (a draft model) and a cautious one for lookup drafts, whose
+        later positions are accepted more often. A flat prior there priced long drafts at 0.5 per position until
+        evidence came, and the adaptive policy drafted short while it learned."""
+        if np.ndim(prior) > 0:
+            return (self.accepted + weight * np.asarray(prior, dtype=float)) / (self.tested + weight)
+        rates = np.empty_like(self.accepted)
+        previous = float(prior)
+        for k in range(rates.size):
+            previous = rates[k] = (self.accepted[k] + weight * previous) / (self.tested[k] + weight)
+        return rates

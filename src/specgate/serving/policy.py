@@ -22,9 +22,10 @@ with a draft model, a request whose drafts are rarely accepted is dropped when i
 cost more than its expected extra tokens are worth. Plans are priced as their padded rectangle (batch x widest
 row + 1), although the C stack runs only a step's real tokens: pricing a mixed plan by its real tokens, and
 searching per-position plans (one request drafting 8, another 1) on that price, measured worse (Gemma-3-270M,
-concurrency 4: 0.82-0.87x of fixed gamma 2 against 1.07x), because a padded step still pays its logits, their
-passes and its bookkeeping per padded position, and because the more plans the argmax can choose from on noisy
-per-request estimates, the more optimistic the one it picks. The padded price is the conservative one.
+concurrency 4: 0.82-0.87x of fixed gamma 2 against 1.07x, before the scheduler kept its logits buffer warm),
+because a padded step still pays its logits, their passes and its bookkeeping per padded position, and because
+the more plans the argmax can choose from on noisy per-request estimates, the more optimistic the one it picks.
+The padded price is the conservative one.
 
 Robustness. The optimum is flat and the predictions carry noise (per-request acceptance estimates, step-time
 jitter), so the width must not flip from step to step on estimate noise: the width that ran last (the
@@ -426,8 +427,10 @@ def calibrate_cost_model(
     samples: dict[tuple[str, int, int], list[float]] = {point: [] for point in points}
     with torch.inference_mode():
         caches = {}
+        buffers = {}  # logits buffers kept across the sweep, as the scheduler keeps one across steps
         for role, model in [("target", target_model)] + ([("draft", draft_model)] if draft_model is not None else []):
             cache = caches[role] = model.new_cache(max_batch, seq_len)
+            buffers[role] = torch.empty(max_batch * max(tokens_grid) * model.vocab_size, dtype=torch.float32)
             ids = torch.ones(max_batch, context_len, dtype=torch.int64)  # [B, L]
             model.forward(ids, torch.arange(context_len)[None].expand(max_batch, -1), cache, torch.arange(max_batch), logits=False)
         for sweep in range(repeats + 1):  # sweep 0 warms up
@@ -440,7 +443,8 @@ def calibrate_cost_model(
                 step_ids = torch.ones(batch, tokens, dtype=torch.int64)  # [B, T]
                 positions = torch.arange(context_len, context_len + tokens)[None].expand(batch, -1)  # [B, T]
                 start = time.perf_counter()
-                logits = model.forward(step_ids, positions, caches[role], torch.arange(batch))  # [B, T, V]
+                out = buffers[role][: batch * tokens * model.vocab_size].view(batch, tokens, -1)  # warm memory, as serving's
+                logits = model.forward(step_ids, positions, caches[role], torch.arange(batch), out=out)  # [B, T, V]
                 if role == "target":  # the step's passes over the logits scale with B x T too: NaN check, greedy verify
                     native.amax(logits), native.argmax(logits)  # as the scheduler and greedy_verify do
                 if sweep:
