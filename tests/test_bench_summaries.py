@@ -1,0 +1,120 @@
+"""bench/serving_table.py and bench/perf_summary.py, the tools that turn benchmark JSON into docs/BENCHMARKS.md tables.
+
+serving_table pools several bench_serving.py results.json files: its medians, "x off" ratios and goal verdicts are
+checked on synthetic rows whose answers are known, and the repeat renumbering is checked with a negative control
+(without it, two files' repeat 0 would be paired with each other's points). perf_summary is checked on a synthetic
+bench_perf.py report: every median it prints is the median of the per-repeat values.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def serving_row(lane: str, concurrency: int, repeat: int, tok_s: float) -> dict:
+    return {
+        "lane": lane, "concurrency": concurrency, "repeat": repeat, "throughput_tok_s": tok_s, "throughput_whole_tok_s": tok_s,
+        "ttft_p50_ms": 100.0, "ttft_p95_ms": 150.0, "itl_p50_ms": 40.0 if lane == "adaptive" else 50.0, "itl_p95_ms": 60.0,
+        "tpot_mean_ms": 10.0, "acceptance_rate": None if lane == "off" else 0.8, "mean_gamma": 0.0 if lane == "off" else 3.0,
+    }
+
+
+def write_results(path: Path, rows: list[dict]) -> str:
+    path.write_text(json.dumps({"rows": rows}))
+    return str(path)
+
+
+def test_serving_table_medians_ratios_and_goals(tmp_path, capsys):
+    table = load("serving_table")
+    first = [serving_row("off", 1, r, v) for r, v in enumerate([10.0, 12.0, 11.0])]
+    first += [serving_row("fixed g=4", 1, r, v) for r, v in enumerate([30.0, 36.0, 33.0])]
+    first += [serving_row("adaptive", 1, r, v) for r, v in enumerate([31.0, 35.0, 29.0])]
+    second = [serving_row("off", 1, 0, 13.0), serving_row("fixed g=4", 1, 0, 20.0), serving_row("adaptive", 1, 0, 40.0)]
+    paths = [write_results(tmp_path / "a.json", first), write_results(tmp_path / "b.json", second)]
+    table.main(paths)
+    out = capsys.readouterr().out
+    lines = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "---" not in line}
+    assert list(lines) == ["lane", "off", "fixed g=4", "adaptive"]  # off, fixed gammas, then adaptive
+    # medians over the 4 pooled repeats: off 11.5 [10-13], fixed 31.5 [20-36], adaptive 33.0 [29-40]
+    assert "| 11.5 [10.0-13.0] | 1.00 |" in lines["off"]
+    assert "| 31.5 [20.0-36.0] | 2.74 |" in lines["fixed g=4"]
+    assert "| 33.0 [29.0-40.0] | 2.87 |" in lines["adaptive"]
+    # adaptive / best other = 33 / 31.5; paired per repeat: 31/30, 35/36, 29/33 and (second file) 40/20
+    assert "adaptive / best other (fixed g=4) = 1.05x (medians; paired per repeat 1.03, 0.97, 0.88, 2.00) met" in out
+    assert "ITL p50 adaptive 40.0 ms vs best fixed (fixed g=4) 50.0 ms (medians) met" in out
+
+
+def test_serving_table_renumbers_repeats_per_file(tmp_path):
+    table = load("serving_table")
+    serving = load("bench_serving")
+    first = [serving_row("fixed g=2", 2, 0, 10.0), serving_row("adaptive", 2, 0, 10.0)]
+    second = [serving_row("fixed g=2", 2, 0, 20.0), serving_row("adaptive", 2, 0, 5.0)]
+    paths = [write_results(tmp_path / "a.json", first), write_results(tmp_path / "b.json", second)]
+    rows = table.pooled_rows(paths)
+    assert sorted({row["repeat"] for row in rows}) == [0, 1]
+    assert serving.paired_ratios(rows, 2, "fixed g=2") == [1.0, 0.25]  # each file's points paired with each other
+    # negative control: pooled without renumbering, repeat 0 of one file overwrites the other's
+    naive = first + second
+    assert serving.paired_ratios(naive, 2, "fixed g=2") != [1.0, 0.25]
+
+
+def perf_report(step_over_floor: float, own: float, hf: float, theory_ratio: float) -> dict:
+    lanes = {"own baseline": own, "transformers greedy": hf, "own n-gram": 3 * own, "transformers prompt lookup": hf, "own draft model": own}
+    predicted = {"leviathan": 4.0, "lengths": 3.5, "lengths_and_verify_cost": 3.0}
+    lane = {
+        "alpha": 0.9, "acceptance_rate": 0.8, "c": 0.001, "acceptance_length": 3.5, "gamma": 4, "expected_tokens_at_gamma": 4.1,
+        "mean_draft_length": 3.2, "steps_by_draft_length": [1, 0, 0, 0, 9], "same_tokens_as_baseline": True,
+        "measured": {"decode_phase": 3.0 * theory_ratio, "end_to_end": 2.5}, "predicted": predicted,
+        "decode_phase_over_predicted": {k: theory_ratio * 3.0 / v for k, v in predicted.items()},
+        "end_to_end_over_predicted": {k: 2.5 / v for k, v in predicted.items()},
+    }
+    return {"dtypes": {"bfloat16": {
+        "floor": {"read_gb_s": 20.0, "floor_ms": 25.0, "step_ms": 25.0 * step_over_floor, "step_over_floor": step_over_floor, "verify_over_step": 1.3},
+        "lanes": {name: {"tokens_per_s": v} for name, v in lanes.items()},
+        "ratios": {"own baseline / transformers greedy": own / hf, "own n-gram / transformers prompt lookup": 3 * own / hf},
+        "theory": {"ngram": lane},
+        "verification_cost": {"over_one_token": [1.0, 1.1, 1.2]},
+    }}}
+
+
+def test_perf_summary_medians(tmp_path, capsys):
+    summary = load("perf_summary")
+    reports = [perf_report(1.1, 30.0, 12.0, 0.9), perf_report(1.3, 33.0, 11.0, 1.0), perf_report(1.2, 20.0, 16.0, 0.8)]
+    paths = []
+    for i, report in enumerate(reports):
+        path = tmp_path / f"run_{'abc'[i]}.json"
+        path.write_text(json.dumps(report))
+        paths.append(str(path))
+    summary.main(paths)
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert "| run_b | 20.0 | 25.0 | 32.5 | 1.30x |" in rows["run_b"]
+    assert rows["step / floor (median of the run's rounds)"].endswith("| 1.10 | 1.30 | 1.20 | **1.20** |")
+    baseline = statistics.median([30 / 12, 33 / 11, 20 / 16])
+    assert rows["own baseline / transformers greedy"].endswith(f"| **{baseline:.2f}** |")
+    assert rows["ngram: decode phase / predicted (lengths and verify cost)"].endswith("| 0.90 | 1.00 | 0.80 | **0.90** |")
+    assert "V(t), median over repeats: t=1 1.00, t=2 1.10, t=3 1.20" in out
+
+
+def test_serving_table_needs_files():
+    with pytest.raises(SystemExit):
+        load("serving_table").main([])
