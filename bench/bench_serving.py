@@ -151,12 +151,30 @@ def step_timings(scheduler: Scheduler) -> dict:
         "draft_ms_p50": statistics.median(t["draft_ms"] for t in trace),
         "other_ms_p50": statistics.median(t["step_ms"] - t["forward_ms"] - t["draft_ms"] for t in trace),
         "width_changes": sum(a["width"] != b["width"] for a, b in zip(trace, trace[1:])) / max(len(trace) - 1, 1),
+        # per width, the steps at the largest batch that ran (the loaded steady state): what each width cost and gave
+        "by_width_at_max_batch": by_width(trace),
     }
     cost_model = getattr(scheduler.policy, "cost_model", None)
     if cost_model is not None:
         out["step_measured_over_predicted_p50"] = statistics.median(
             (t["step_ms"] - t["draft_ms"]) / cost_model.target_step_ms(t["batch"], t["width"] + 1) for t in trace
         )
+    return out
+
+
+def by_width(trace: list[dict]) -> dict[str, dict]:
+    """Steps of the trace at its largest batch, grouped by width: count, median step ms (all of it) and forward ms,
+    mean tokens emitted per step and emitted tokens per ms of step (the goodput each width actually delivered)."""
+    top = max(t["batch"] for t in trace)
+    out = {}
+    for width in sorted({t["width"] for t in trace if t["batch"] == top}):
+        steps = [t for t in trace if t["batch"] == top and t["width"] == width]
+        out[str(width)] = {
+            "batch": top, "count": len(steps), "step_ms_p50": statistics.median(t["step_ms"] for t in steps),
+            "forward_ms_p50": statistics.median(t["forward_ms"] for t in steps),
+            "emitted_mean": statistics.fmean(t["emitted"] for t in steps),
+            "tokens_per_ms": sum(t["emitted"] for t in steps) / sum(t["step_ms"] for t in steps),
+        }
     return out
 
 

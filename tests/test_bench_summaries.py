@@ -118,3 +118,17 @@ def test_perf_summary_medians(tmp_path, capsys):
 def test_serving_table_needs_files():
     with pytest.raises(SystemExit):
         load("serving_table").main([])
+
+
+def test_serving_by_width_groups_the_largest_batch():
+    serving = load("bench_serving")
+    trace = [
+        {"batch": 4, "width": 0, "step_ms": 50.0, "forward_ms": 40.0, "emitted": 4},  # not the largest batch: left out
+        {"batch": 8, "width": 0, "step_ms": 60.0, "forward_ms": 50.0, "emitted": 8},
+        {"batch": 8, "width": 0, "step_ms": 80.0, "forward_ms": 70.0, "emitted": 8},
+        {"batch": 8, "width": 2, "step_ms": 100.0, "forward_ms": 90.0, "emitted": 20},
+    ]
+    out = serving.by_width(trace)
+    assert list(out) == ["0", "2"]
+    assert out["0"] == {"batch": 8, "count": 2, "step_ms_p50": 70.0, "forward_ms_p50": 60.0, "emitted_mean": 8.0, "tokens_per_ms": 16 / 140}
+    assert out["2"]["tokens_per_ms"] == 0.2 and out["2"]["count"] == 1
