@@ -175,9 +175,6 @@ def by_width(trace: list[dict]) -> dict[str, dict]:
             "emitted_mean": statistics.fmean(t["emitted"] for t in steps),
             "tokens_per_ms": sum(t["emitted"] for t in steps) / sum(t["step_ms"] for t in steps),
         }
-        steady = [t["step_ms"] for t in steps if t.get("steady")]
-        if steady:  # the steps the cost model learns from (same rows as the step before, no prefill)
-            out[str(width)].update(steady_count=len(steady), steady_step_ms_p50=statistics.median(steady))
     return out
 
 

@@ -312,7 +312,6 @@ class Scheduler:
         self.traffic_acceptance = AcceptanceStats(TRAFFIC_DECAY)  # every request's evidence: a new request's prior
         self.last_prefill_tokens = 0  # prompt tokens prefilled by the latest step (<= prefill_chunk_tokens)
         self.trace: list[dict] | None = None  # set to [] to record one dict per decode step (see _decode_step)
-        self._last_decode_ids: tuple[str, ...] = ()  # the rows of the previous decode step (steady-step test)
 
     # ------------------------------------------------------------------ requests (any thread)
     def validate(self, request: Request) -> None:
@@ -603,22 +602,13 @@ class Scheduler:
         # the adaptive cost model learns the whole step but its draft passes (priced on their own): the lookups,
         # the forward, the verification and the commit, which grow with the tokens a step scores and emits
         step_ms = 1e3 * (time.perf_counter() - step_start - draft_s)
-        # only steady steps teach the cost model: same rows as the step before and no prefill in this iteration.
-        # A step at request turnover runs beside admission, prefill and the clients' work, and the widths that run
-        # there (drafts cut by budgets) would be priced by it (docs/BENCHMARKS.md, Serving, run 5: the adaptive
-        # lane's rare batch-16 steps without drafts cost 117-130 ms where the off lane's cost 98-105)
-        rows = tuple(r.request_id for r in running)
-        steady = rows == self._last_decode_ids and self.last_prefill_tokens == 0
-        self._last_decode_ids = rows
-        if steady:
-            self.policy.observe_step(batch, width + 1, step_ms)
+        self.policy.observe_step(batch, width + 1, step_ms)
         self._update_gauges()
         if self.trace is not None:  # one record per decode step, for benchmarks (times in ms)
             self.trace.append({
                 "end_s": now, "batch": batch, "width": width, "drafted": sum(num_drafts),
                 "emitted": committed, "step_ms": 1e3 * (time.perf_counter() - step_start),
                 "forward_ms": 1e3 * forward_s, "draft_ms": 1e3 * draft_s, "prefill_tokens": self.last_prefill_tokens,
-                "steady": steady,
             })
 
     def _logits_buffer(self, batch: int, width: int) -> Tensor:
