@@ -473,6 +473,28 @@ class Batch:
         return self._masks[window]
 
 
+def last_token_index(valid: Tensor) -> Tensor:
+    """valid [B, T] bool -> [B] int64: the index of each row's last real token (0 for a row with none)."""
+    steps = torch.arange(valid.shape[1], device=valid.device)  # [T]
+    return torch.where(valid, steps, -1).max(dim=1).values.clamp(min=0)
+
+
+class LogitsBuffer:
+    """One flat float32 block kept across forwards, viewed as each call's [B, T, V] logits (forward's out=): a
+    verification step's logits are tens of MB, and a fresh block that size is page-faulted in at every step,
+    memory already touched is not. Grows on demand; a view is valid until the next one is taken."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._block: Tensor | None = None
+
+    def view(self, batch: int, width: int) -> Tensor:
+        need = batch * width * self.vocab_size
+        if self._block is None or self._block.numel() < need:
+            self._block = torch.empty(need, dtype=torch.float32)
+        return self._block[:need].view(batch, width, self.vocab_size)
+
+
 class CausalLM(nn.Module):
     """A decoder-only LM with a position-indexed KV cache. See forward for the calling convention."""
 
@@ -695,9 +717,7 @@ class CausalLM(nn.Module):
         hidden = self.norm(x)  # [B, T, H]
 
         if last_only:
-            steps = torch.arange(positions.shape[1], device=positions.device)  # [T]
-            last = torch.where(valid, steps, -1).max(dim=1).values.clamp(min=0)  # [B]
-            hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
+            hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(valid)]  # [B, H]
         scores = self._head(hidden)  # [B, T, V] or [B, V]
         if out is not None:
             scores = out.copy_(scores)
@@ -734,9 +754,7 @@ class CausalLM(nn.Module):
             return None
         hidden = self.norm(packed)  # [R, H]
         if last_only:
-            steps = torch.arange(T, device=positions.device)  # [T]
-            last = torch.where(valid, steps, -1).max(dim=1).values.clamp(min=0)  # [B]
-            picked = torch.arange(B, device=positions.device) * T + last  # [B] flat index of each row's last token
+            picked = torch.arange(B, device=positions.device) * T + last_token_index(valid)  # [B] flat index of each row's last token
             if keep is not None:  # its index among the real tokens (a row with none picks its first, zeroed below)
                 picked = (torch.cumsum(flat_valid, 0) - 1).clamp(min=0)[picked]
             out_hidden = hidden.index_select(0, picked)  # [B, H]

@@ -415,6 +415,7 @@ def calibrate_cost_model(
     import torch
 
     from specgate.models import native
+    from specgate.models.transformer import LogitsBuffer
 
     _check_gamma(gamma_max, "gamma_max")
     if repeats < 1:
@@ -430,7 +431,8 @@ def calibrate_cost_model(
         buffers = {}  # logits buffers kept across the sweep, as the scheduler keeps one across steps
         for role, model in [("target", target_model)] + ([("draft", draft_model)] if draft_model is not None else []):
             cache = caches[role] = model.new_cache(max_batch, seq_len)
-            buffers[role] = torch.empty(max_batch * max(tokens_grid) * model.vocab_size, dtype=torch.float32)
+            buffers[role] = LogitsBuffer(model.vocab_size)
+            buffers[role].view(max_batch, max(tokens_grid))  # allocated at its largest before any timing
             ids = torch.ones(max_batch, context_len, dtype=torch.int64)  # [B, L]
             model.forward(ids, torch.arange(context_len)[None].expand(max_batch, -1), cache, torch.arange(max_batch), logits=False)
         for sweep in range(repeats + 1):  # sweep 0 warms up
@@ -443,7 +445,7 @@ def calibrate_cost_model(
                 step_ids = torch.ones(batch, tokens, dtype=torch.int64)  # [B, T]
                 positions = torch.arange(context_len, context_len + tokens)[None].expand(batch, -1)  # [B, T]
                 start = time.perf_counter()
-                out = buffers[role][: batch * tokens * model.vocab_size].view(batch, tokens, -1)  # warm memory, as serving's
+                out = buffers[role].view(batch, tokens)  # warm memory, as serving's
                 logits = model.forward(step_ids, positions, caches[role], torch.arange(batch), out=out)  # [B, T, V]
                 if role == "target":  # the step's passes over the logits scale with B x T too: NaN check, greedy verify
                     native.amax(logits), native.argmax(logits)  # as the scheduler and greedy_verify do

@@ -63,6 +63,7 @@ from torch import Tensor
 from specgate.drafting.ngram import NgramDrafter
 from specgate.engine.generate import OutputText, eos_token_ids
 from specgate.models import native
+from specgate.models.transformer import LogitsBuffer
 from specgate.sampling import SamplingParams, greedy_verify, logits_to_probs, rejection_sample, verify
 from specgate.serving.acceptance import FLAT_PRIOR, TRAFFIC_DECAY, AcceptanceStats
 from specgate.serving.policy import SpeculationPolicy
@@ -282,7 +283,7 @@ class Scheduler:
         self.policy = policy or OffPolicy()
         self.num_slots, self.max_seq_len, self.max_waiting = num_slots, max_seq_len, max_waiting
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self._logits: Tensor | None = None  # the step's target logits buffer (_logits_buffer), grown on demand
+        self._logits = LogitsBuffer(target.model.vocab_size)  # the step's target logits, one block kept across steps
         self.metrics = metrics
         if lossy is not None and not callable(getattr(lossy, "verify", None)):
             raise ValueError(f"lossy={lossy!r} is not a lossy mode: pass an object from specgate.sampling.lossy or None")
@@ -574,7 +575,8 @@ class Scheduler:
             positions[row, : 1 + len(tokens)] = torch.arange(length - 1, length + len(tokens))
         slots = torch.tensor([r.slot for r in running], dtype=torch.int64)  # [B]
         forward_start = time.perf_counter()
-        target_logits = self.target.model.forward(ids, positions, self.cache, slots, out=self._logits_buffer(batch, width + 1))  # [B, G+1, V]
+        target_logits = self.target.model.forward(ids, positions, self.cache, slots, out=self._logits.view(batch, width + 1))  # [B, G+1, V]; read by the verification below, never after
+        # (a fresh 80 MB block per step, 16 requests x 5 positions x Gemma's 262,144, page-faults ~19 ms)
         forward_s = time.perf_counter() - forward_start
         keep = self._fail_non_finite(running, target_logits, positions)
         if len(keep) < batch:
@@ -610,15 +612,6 @@ class Scheduler:
                 "emitted": committed, "step_ms": 1e3 * (time.perf_counter() - step_start),
                 "forward_ms": 1e3 * forward_s, "draft_ms": 1e3 * draft_s, "prefill_tokens": self.last_prefill_tokens,
             })
-
-    def _logits_buffer(self, batch: int, width: int) -> Tensor:
-        """A [batch, width, V] float32 view of one buffer kept across steps, for the step's target logits (read by
-        the verification within the step, never after): a fresh block of tens of MB per step is page-faulted in
-        each time (16 requests x 5 positions x Gemma's 262,144: 80 MB, ~19 ms), memory kept warm is not."""
-        need = batch * width * self.target.model.vocab_size
-        if self._logits is None or self._logits.numel() < need:
-            self._logits = torch.empty(need, dtype=torch.float32)
-        return self._logits[:need].view(batch, width, self.target.model.vocab_size)
 
     def _fail_non_finite(self, running: list[Request], target_logits: Tensor, positions: Tensor) -> list[int]:
         """Finish with "error" every request whose scored rows hold NaN/inf logits; the rows to keep.
