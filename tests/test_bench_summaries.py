@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -132,3 +133,53 @@ def test_serving_by_width_groups_the_largest_batch():
     assert list(out) == ["0", "2"]
     assert out["0"] == {"batch": 8, "count": 2, "step_ms_p50": 70.0, "forward_ms_p50": 60.0, "emitted_mean": 8.0, "tokens_per_ms": 16 / 140}
     assert out["2"]["tokens_per_ms"] == 0.2 and out["2"]["count"] == 1
+
+
+def slice_row(lane: str, round_: int, tokens: int, wall_s: float) -> dict:
+    return {"lane": lane, "round": round_, "tokens": tokens, "wall_s": wall_s, "steps": 10, "intervals_ms": [40.0, 60.0], "widths": [2, 4]}
+
+
+def test_slices_summary_pools_rounds_and_pairs_them():
+    """bench_slices.summarize on synthetic slices: pooled throughput = tokens / seconds over the measured rounds
+    (the warm-up round -1 left out), the best other lane by that, paired ratios per round, a bootstrap interval
+    that holds the pooled ratio, and the verdict against 0.95 (a negative control just below the line)."""
+    slices = [slice_row("off", -1, 1, 1.0), slice_row("adaptive", -1, 1, 1.0)]  # warm-up: would sink adaptive
+    for r, (off, fixed, adaptive) in enumerate([(100, 300, 290), (120, 330, 340), (90, 270, 255)]):
+        slices += [slice_row("off", r, off, 3.0), slice_row("fixed g=4", r, fixed, 3.0), slice_row("adaptive", r, adaptive, 3.0)]
+    summary = load("bench_slices").summarize(slices, ["off", "fixed g=4", "adaptive"], [0, 1, 2])
+    lanes = summary["lanes"]
+    assert lanes["off"]["throughput_tok_s"] == pytest.approx(310 / 9) and lanes["adaptive"]["tokens"] == 885
+    assert lanes["off"]["itl_p50_ms"] == 50.0 and lanes["off"]["mean_width"] == 3.0
+    assert summary["best_other"] == "fixed g=4" and summary["ratio"] == pytest.approx(885 / 900)
+    assert summary["paired_ratios"] == pytest.approx([290 / 300, 340 / 330, 255 / 270])
+    low, high = summary["ci95"]
+    assert low <= summary["ratio"] <= high and summary["met"]
+    below = [dict(s, tokens=int(s["tokens"] * 0.9)) if s["lane"] == "adaptive" else s for s in slices]
+    assert not load("bench_slices").summarize(below, ["off", "fixed g=4", "adaptive"], [0, 1, 2])["met"]
+
+
+def test_slices_closed_loop_on_a_real_scheduler(tiny_model_dir):
+    """ClosedLoop + run_slice on a real scheduler (tiny random model): clients are replaced as they finish, the
+    policy can be swapped between slices, and a slice's tokens are exactly the tokens its steps committed."""
+    from specgate.models import load_model
+    from specgate.serving import FixedPolicy, OffPolicy, Scheduler
+
+    bench = load("bench_slices")
+    target = load_model(str(tiny_model_dir("llama")))
+    prompts = [torch.cat([torch.tensor([1]), torch.arange(5, 9).repeat(3)]), torch.cat([torch.tensor([1]), torch.arange(20, 23).repeat(4)])]
+    scheduler = Scheduler(target, "ngram", OffPolicy(), num_slots=2, max_seq_len=64)
+    loop = bench.ClosedLoop(scheduler, prompts, 2, max_tokens=6)
+    first = bench.run_slice(scheduler, 0.5)
+    scheduler.policy = FixedPolicy(3)
+    second = bench.run_slice(scheduler, 0.5)
+    assert first["steps"] > 0 and second["steps"] > 0 and loop.finished > 2 and loop.sent == loop.finished + 2
+    assert set(first["widths"]) == {0} and max(second["widths"]) > 0
+    assert first["tokens"] >= first["steps"]  # off: every decode step commits one token per running request
+    assert second["tokens"] == sum(t["emitted"] for t in scheduler.trace)
+    assert len(second["intervals_ms"]) == second["steps"] - 1
+    # varied lengths (--length-spread): every request's max_tokens within max_tokens * (1 +- spread), not all alike
+    spread = bench.ClosedLoop(Scheduler(target, "ngram", OffPolicy(), num_slots=4, max_seq_len=64), prompts, 4, max_tokens=10, spread=0.5)
+    lengths = [r.max_tokens for r in spread.scheduler.waiting]
+    assert len(lengths) == 4 and all(5 <= n <= 15 for n in lengths) and len(set(lengths)) > 1
+    with pytest.raises(ValueError, match="spread=1.5"):
+        bench.ClosedLoop(scheduler, prompts, 1, max_tokens=10, spread=1.5)

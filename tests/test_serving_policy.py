@@ -191,7 +191,8 @@ def test_calibration_measures_the_whole_grid(tiny_model_dir):
     target = load_model(str(tiny_model_dir("llama"))).model
     cost = calibrate_cost_model(target, target, gamma_max=3, batch_sizes=(1, 4), context_len=8, repeats=1)
     assert set(cost.target_ms) == {(b, t) for b in (1, 4) for t in (1, 2, 3, 4)} and set(cost.draft_ms) == {1, 4}
-    assert calibration_tokens(8) == [1, 2, 3, 5, 9] and calibration_tokens(4) == [1, 2, 3, 5] and calibration_tokens(1) == [1, 2]
+    assert calibration_tokens(8) == list(range(1, 10)) and calibration_tokens(4) == [1, 2, 3, 4, 5] and calibration_tokens(1) == [1, 2]
+    assert calibration_tokens(16) == [*range(1, 10), 17] and calibration_tokens(20) == [*range(1, 10), 17, 21]
     assert all(ms > 0 for ms in [*cost.target_ms.values(), *cost.draft_ms.values()])
     assert all(0 <= g <= 3 for g in AdaptivePolicy(cost, gamma_max=3).choose([0.5, 0.5]))
 
@@ -224,8 +225,8 @@ def test_monotone_removes_timing_noise_from_the_grid():
 
 def test_live_correction_learns_the_shape_the_calibration_missed():
     """The calibration says 9 tokens at batch 1 cost 111 ms; the steps actually run cost 190 ms (and the others as
-    calibrated). Fed those measurements, the model converges on them and the policy drops from its long drafts to
-    narrower ones; with live_rate 0 nothing moves."""
+    calibrated). Fed those measurements, the model converges on each shape's own time and the policy drops from its
+    long drafts to narrower ones; with live_rate 0 nothing moves."""
     grid = {(1, 1): 72.0, (1, 2): 91.0, (1, 3): 91.0, (1, 5): 98.0, (1, 9): 111.0}
     profile = [0.8] * 8
     frozen = CostModel(dict(grid), live_rate=0.0)
@@ -241,12 +242,55 @@ def test_live_correction_learns_the_shape_the_calibration_missed():
     assert live.target_step_ms(1, 9) == pytest.approx(190.0, rel=0.03) and live.target_step_ms(1, 5) == pytest.approx(98.0, rel=0.03)
     assert frozen.target_step_ms(1, 9) == 111.0 and frozen.observations == 0 and live.observations == 300
     assert 0 < policy.choose([profile])[0] < before  # the cached prices were refreshed after the observations
-    # a step between grid points moves both neighbours by their interpolation weights; outside the grid, the end
-    between = CostModel(dict(grid))
-    between.observe(1, 4, 2 * between.target_step_ms(1, 4))
-    assert between.correction[(1, 3)] == pytest.approx(between.correction[(1, 5)]) and between.correction[(1, 3)] > 1.0
-    assert between.correction[(1, 9)] == 1.0
-    between.observe(4, 12, 1e9)
-    assert between.correction[(1, 9)] > 1.0
+    # one shape run alone: its error becomes the batch's common factor, which prices every width at that batch
+    # (visited or not) and, until they run, the batch sizes nearest to it; other batches' own factors stay theirs
+    alone = CostModel(dict(grid))
+    for _ in range(40):
+        alone.observe(1, 4, 2 * alone.calibrated_ms(1, 4))
+    assert alone.target_step_ms(1, 4) == pytest.approx(2 * alone.calibrated_ms(1, 4), rel=0.02)
+    assert all(alone.live_correction(1, t) == pytest.approx(2.0, rel=0.02) for t in (1, 2, 3, 5, 9))
+    assert alone.live_correction(4, 9) == pytest.approx(2.0, rel=0.02)  # batch 4 never ran: batch 1's factor
+    alone.observe(4, 9, 0.5 * alone.calibrated_ms(4, 9))
+    assert alone.live_correction(4, 9) < 2.0 and alone.live_correction(1, 9) == pytest.approx(2.0, rel=0.02)
+    # one step moves the prices half the way (cell_prior 1), and at most by exp(0.25): one burst is one step
+    once = CostModel(dict(grid), live_rate=0.0001)
+    once.observe(1, 9, 1.2 * once.calibrated_ms(1, 9))
+    assert once.live_correction(1, 9) == pytest.approx(1.2**0.5, rel=1e-3) == once.live_correction(1, 2)
+    once.observe(1, 9, 100 * once.calibrated_ms(1, 9))
+    assert once.live_correction(1, 9) == pytest.approx(1.2**0.5 * np.exp(0.25 / 2.97), rel=1e-3)  # 2nd visit: gain 1 / (1.97 + 1)
     with pytest.raises(ValueError, match="live_rate=2"):
         CostModel(dict(grid), live_rate=2)
+    with pytest.raises(ValueError, match="cell_decay=0"):
+        CostModel(dict(grid), cell_decay=0)
+    with pytest.raises(ValueError, match="cell_prior=0"):
+        CostModel(dict(grid), cell_prior=0)
+
+
+@pytest.mark.parametrize("probe_every", [8, 0])
+def test_probes_correct_an_over_priced_neighbour(probe_every):
+    """The calibration over-prices long verifications at batch 1 (9 tokens 90 ms; really every width costs 50 ms).
+    The policy starts at width 4, the best the calibration allows. The live correction learns a shape only from
+    the steps that run it, so without probes (probe_every 0) width 4 is all it ever runs; with a probe every 8
+    steps it runs the width with the best optimistic goodput (unvisited shapes get the most optimism), learns that
+    the wider ones are cheaper than priced, moves there, and so climbs to width 8, the true best (the expected
+    tokens grow with the width and the price does not)."""
+    cost = CostModel({(1, 1): 50.0, (1, 5): 50.0, (1, 9): 90.0})
+    policy = AdaptivePolicy(cost, gamma_max=8, probe_every=probe_every)
+    profile = [0.8] * 8
+    widths = []
+    for _ in range(800):
+        width = policy.choose([profile], [8])[0]
+        widths.append(width)
+        policy.observe_step(1, width + 1, 50.0)
+    assert widths[0] == 4
+    last = widths[-100:]
+    if probe_every:
+        assert last.count(8) >= 85 and policy.probes == 800 // 8
+    else:
+        assert set(widths) == {4} and policy.probes == 0
+    with pytest.raises(ValueError, match="probe_every=-1"):
+        AdaptivePolicy(cost, probe_every=-1)
+    with pytest.raises(ValueError, match="probe_margin=1.5"):
+        AdaptivePolicy(cost, probe_margin=1.5)
+    with pytest.raises(ValueError, match="probe_bonus=-1"):
+        AdaptivePolicy(cost, probe_bonus=-1)

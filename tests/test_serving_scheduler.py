@@ -293,4 +293,4 @@ def test_adaptive_cost_model_learns_from_every_decode_step(tiny_target):
         scheduler.submit(Request(prompt, GREEDY, max_tokens=10, ignore_eos=True))
     scheduler.run_until_idle()
     assert wrong.observations == len(scheduler.trace) > 0
-    assert all(factor < 1.0 for (batch, _), factor in wrong.correction.items() if batch == 1)
+    assert all(wrong.live_correction(1, t) < 1.0 for t in range(1, 10)) and wrong.batch_factor[1] < 0.0
