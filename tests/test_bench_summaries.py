@@ -3,7 +3,9 @@
 serving_table pools several bench_serving.py results.json files: its medians, "x off" ratios and goal verdicts are
 checked on synthetic rows whose answers are known, and the repeat renumbering is checked with a negative control
 (without it, two files' repeat 0 would be paired with each other's points). perf_summary is checked on a synthetic
-bench_perf.py report: every median it prints is the median of the per-repeat values.
+bench_perf.py report: every median it prints is the median of the per-repeat values. bench_slices.py's summary
+(pooled throughput, paired ratios, bootstrap interval, verdict) is checked on synthetic slices with a negative
+control just below the line, and its closed loop and slices on a real scheduler (tiny random model).
 """
 
 from __future__ import annotations
