@@ -90,7 +90,7 @@ def run_slice(scheduler: Scheduler, seconds: float) -> dict:
     intervals = [1e3 * (b - a) for a, b in zip(ends[1:], ends[2:])]  # ms; the first step of the slice left out
     return {
         "tokens": sum(t["emitted"] for t in trace), "wall_s": wall_s, "steps": len(trace),
-        "intervals_ms": intervals, "widths": [t["width"] for t in trace], "batches": [t["batch"] for t in trace],
+        "intervals_ms": intervals, "widths": [t["width"] for t in trace],
         "trace": [{k: t[k] for k in ("batch", "width", "drafted", "emitted", "step_ms", "forward_ms", "prefill_tokens")} for t in trace],
     }
 
@@ -172,7 +172,8 @@ def main() -> None:
     prompts = [torch.tensor(target.tokenizer(p)["input_ids"]) for p in PROMPTS["repetitive"]]
     max_seq_len = max(int(p.numel()) for p in prompts) + round(args.max_tokens * (1 + args.length_spread)) + 1
     lanes = args.lanes.split(",")
-    labels = [lane_label(lane, 4, args.gamma_max)[1] for lane in lanes]
+    parsed = [lane_label(lane, 4, args.gamma_max) for lane in lanes]  # (policy name, label, gamma)
+    labels = [label for _, label, _ in parsed]
     cost_model = None
     if "adaptive" in lanes:
         with console.status("calibrating the adaptive policy's cost model"):
@@ -186,10 +187,7 @@ def main() -> None:
         task = progress.add_task("slices", total=total)
         for concurrency in concurrencies:
             scheduler = Scheduler(target, "ngram", None, num_slots=concurrency, max_seq_len=max_seq_len, max_waiting=concurrency)
-            policies = {}
-            for lane, label in zip(lanes, labels):
-                name, _, gamma = lane_label(lane, 4, args.gamma_max)
-                policies[label] = make_policy(name, gamma=gamma, cost_model=cost_model)
+            policies = {label: make_policy(name, gamma=gamma, cost_model=cost_model) for name, label, gamma in parsed}
             loop = ClosedLoop(scheduler, prompts, concurrency, args.max_tokens, args.length_spread, seed=concurrency)
             slices = []
             for index in range(args.warmup_rounds + args.rounds):
@@ -205,7 +203,7 @@ def main() -> None:
                 "concurrency": concurrency, "summary": summary, "requests_finished": loop.finished,
                 "adaptive": policy.describe() if policy is not None else None,
                 "slices": [
-                    {k: v for k, v in s.items() if k not in ("intervals_ms", "widths", "batches") and (k != "trace" or args.keep_steps)}
+                    {k: v for k, v in s.items() if k not in ("intervals_ms", "widths") and (k != "trace" or args.keep_steps)}
                     for s in slices
                 ],
             })

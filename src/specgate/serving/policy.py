@@ -192,10 +192,10 @@ class CostModel:
     prediction(b, t) = calibrated(b, t) * exp(F_b + d[b, t]). A batch size never run takes the factor of the
     nearest one that has; a shape never run at a batch, the deviation of the nearest shape run there. One step's
     error counts at most MAX_STEP_ERROR (0.25 in log): a burst of interference (4-10x on a shared core) must not
-    price a shape out of use in one step, since a shape priced out is not run again to be corrected. Exact cells, not grid points: an earlier version corrected the grid
-    points around a step by their interpolation weights, so steps of 6 tokens moved the 9-token point, and at
-    batch 1 it priced 9-token steps 18% above 6-token ones while the forwards measured within 3%. live_rate 0
-    keeps the calibration as it is.
+    price a shape out of use in one step, since a shape priced out is not run again to be corrected. Exact
+    cells, not grid points: an earlier version corrected the grid points around a step by their interpolation
+    weights, so steps of 6 tokens moved the 9-token point, and at batch 1 it priced 9-token steps 18% above
+    6-token ones while the forwards measured within 3%. live_rate 0 keeps the calibration as it is.
     """
 
     target_ms: dict[tuple[int, int], float]
@@ -283,10 +283,10 @@ class CostModel:
         if self.live_rate == 0.0 or not measured_ms > 0.0 or not np.isfinite(measured_ms):
             return
         log_ratio = float(np.log(measured_ms / self.calibrated_ms(batch, tokens_per_row)))
-        factor = self.factor(batch)
-        residual = float(np.clip(log_ratio - factor - self._deviation(batch, tokens_per_row), -MAX_STEP_ERROR, MAX_STEP_ERROR))
+        factor, deviation = self.factor(batch), self._deviation(batch, tokens_per_row)
+        residual = float(np.clip(log_ratio - factor - deviation, -MAX_STEP_ERROR, MAX_STEP_ERROR))
         cells = self.cells.setdefault(batch, {})
-        cell = cells.setdefault(tokens_per_row, [0.0, self._deviation(batch, tokens_per_row)])
+        cell = cells.setdefault(tokens_per_row, [0.0, deviation])
         cell[0] = self.cell_decay * cell[0] + 1.0
         cell[1] += residual / (cell[0] + self.cell_prior)
         factor += self.live_rate * residual
@@ -354,13 +354,13 @@ class AdaptivePolicy(SpeculationPolicy):
         if not 0.0 <= margin < 0.5:
             raise ValueError(f"margin={margin} is out of range [0, 0.5): the fraction of the best goodput treated as a tie (0 = strict argmax)")
         if isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 0:
-            raise ValueError(f"probe_every={probe_every!r} must be an integer >= 0 (steps between probes of a neighbouring width; 0 = never)")
+            raise ValueError(f"probe_every={probe_every!r} must be an integer >= 0 (decisions between probes of another width; 0 = never)")
         if not 0.0 <= probe_margin < 1.0:
             raise ValueError(f"probe_margin={probe_margin} is out of range [0, 1): how much worse than the best a probed width may be predicted")
-        self.prior_alpha = prior_alpha
-        self.margin = margin
         if not 0.0 <= probe_bonus <= 2.0:
             raise ValueError(f"probe_bonus={probe_bonus} is out of range [0, 2]: the log optimism given an unvisited shape when probing")
+        self.prior_alpha = prior_alpha
+        self.margin = margin
         self.probe_every, self.probe_margin, self.probe_bonus = probe_every, probe_margin, probe_bonus
         self.incumbent: int | None = None  # width (max gamma) of the plan that ran last; None before the first
         self.plans_made = 0
