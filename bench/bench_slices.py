@@ -91,7 +91,7 @@ def run_slice(scheduler: Scheduler, seconds: float) -> dict:
     return {
         "tokens": sum(t["emitted"] for t in trace), "wall_s": wall_s, "steps": len(trace),
         "intervals_ms": intervals, "widths": [t["width"] for t in trace],
-        "trace": [{k: t[k] for k in ("batch", "width", "drafted", "emitted", "step_ms", "forward_ms", "prefill_tokens")} for t in trace],
+        "trace": [{k: t[k] for k in ("batch", "width", "drafted", "emitted", "step_ms", "forward_ms", "prefill_tokens", "predicted_tokens", "predicted_ms", "predicted_goodputs")} for t in trace],
     }
 
 

@@ -279,6 +279,7 @@ def test_trace_records_every_decode_step(tiny_target):
     assert all(0 <= t["width"] <= 3 and t["drafted"] <= 3 * t["batch"] for t in trace) and any(t["width"] > 0 for t in trace)
     assert all(t["step_ms"] >= t["forward_ms"] > 0 and t["draft_ms"] == 0.0 for t in trace)
     assert [t["end_s"] for t in trace] == sorted(t["end_s"] for t in trace)
+    assert all(t["predicted_tokens"] is None and t["predicted_goodputs"] is None for t in trace)  # fixed: no model
 
 
 def test_adaptive_cost_model_learns_from_every_decode_step(tiny_target):
@@ -294,3 +295,8 @@ def test_adaptive_cost_model_learns_from_every_decode_step(tiny_target):
     scheduler.run_until_idle()
     assert wrong.observations == len(scheduler.trace) > 0
     assert all(wrong.live_correction(1, t) < 1.0 for t in range(1, 10)) and wrong.batch_factor[1] < 0.0
+    # each step records the plan's prediction: expected tokens >= the rows, goodput = tokens / ms, one per width
+    first = scheduler.trace[0]
+    assert first["batch"] <= first["predicted_tokens"] <= first["batch"] * 9
+    assert first["predicted_ms"] > 0 and len(first["predicted_goodputs"]) >= first["width"] + 1
+    assert first["predicted_tokens"] / first["predicted_ms"] == pytest.approx(first["predicted_goodputs"][first["width"]], rel=1e-3)

@@ -39,6 +39,8 @@ the calibration's timing conditions are not the serving ones (a busy machine at 
 contention that slows wide verify passes most), so a model that flatters a width is corrected by running it;
 a model that over-prices a width would never run it, so one decision in 16 probes the other width with the best
 optimistic goodput (a shape seen less gets more optimism), if that is within 10% of the best (AdaptivePolicy._probe).
+The acceptance side is checked the same way: each step's committed tokens against the plan's expected ones give
+one live factor on every plan's expected accepted drafts (AdaptivePolicy.token_factor).
 """
 
 from __future__ import annotations
@@ -55,14 +57,18 @@ import numpy as np
 POLICY_NAMES = ("adaptive", "fixed", "table", "off")
 CALIBRATION_BATCH_SIZES = (1, 2, 4, 8, 16)
 DEFAULT_GAMMA_MAX = 8
-DEFAULT_LIVE_RATE = 0.1  # weight of one measured step in a batch size's live factor (CostModel.observe)
+DEFAULT_LIVE_RATE = 0.5  # weight of one measured step in a batch size's live factor (CostModel.observe)
 DEFAULT_CELL_DECAY = 0.97  # a shape's deviation: the mean of its ~30 latest steps (CostModel.observe)
-DEFAULT_CELL_PRIOR = 1.0  # pseudo-visits in a shape's deviation (a shape's first step moves its price half the way)
+DEFAULT_CELL_PRIOR = 3.0  # pseudo-visits in a shape's deviation (a shape's first step moves its price a quarter of the way)
+DEFAULT_CELL_STALE = 0.99  # a step at a batch size ages its other shapes' recent visits (the probes' count: halves in ~70 steps)
 MAX_STEP_ERROR = 0.25  # the most one measured step moves a price, in log (a 4x burst on a shared core counts as 1.28x)
 DEFAULT_MARGIN = 0.03  # adaptive: the incumbent width stays while within 3% of the best predicted goodput
 DEFAULT_PROBE_EVERY = 16  # adaptive: one step in 16 runs the most promising other width (AdaptivePolicy._probe)
 DEFAULT_PROBE_MARGIN = 0.10  # ... if its optimistic goodput is within 10% of the best plan's
 DEFAULT_PROBE_BONUS = 0.25  # ... optimism exp(0.25 / sqrt(visits + 1)) for a shape seen `visits` times
+TOKEN_DECAY = 0.99  # adaptive: the realized / predicted accepted drafts per width, over its ~100 latest steps
+TOKEN_PRIOR = 4.0  # ... shrunk towards 1 by this many pseudo-steps
+TOKEN_FACTOR_RANGE = (0.7, 1.4)  # ... and kept within this range
 Acceptance = float | Sequence[float] | None  # one alpha, conditional rates per position, or unknown
 
 
@@ -86,9 +92,9 @@ class SpeculationPolicy(ABC):
     def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
         """One gamma (>= 0) per running request; the scheduler clips each to caps[i] anyway."""
 
-    def observe_step(self, batch: int, width_tokens: int, target_ms: float) -> None:
-        """A measured step (`batch` rows, padded to `width_tokens` tokens each; its draft passes excepted); most
-        policies ignore it."""
+    def observe_step(self, batch: int, width_tokens: int, target_ms: float, emitted: int | None = None) -> None:
+        """A measured step (`batch` rows, padded to `width_tokens` tokens each; its draft passes excepted; the
+        tokens it committed); most policies ignore it."""
 
     def describe(self) -> dict:
         return {"policy": self.name}
@@ -180,19 +186,28 @@ class CostModel:
     (extrapolated from the last segment).
 
     Live correction (`observe`), in log space, two parts per exact batch size b:
-    - a batch factor F_b, moved by `live_rate` of each measured step's error at batch b: the machine's present
-      speed at that load (a busy host, another thread, a slower VM than at calibration). It prices every width at
-      b, visited or not, so a width the policy has not run lately moves with the ones it runs;
+    - a batch factor F_b, moved by `live_rate` (0.5) of each measured step's error at batch b: the machine's
+      present speed at that load (a busy host, another thread, a slower VM than at calibration). It prices every
+      width at b, visited or not, so a width the policy has not run lately moves with the ones it runs. It moves
+      fast because this host's speed moves 20-40% within seconds, and what F_b does not take the running shape's
+      deviation does: at 0.1, a slow stretch while one width ran priced that width up against the others (batch 8,
+      width 2 ~16% above its steps' median, bench/out/slices_diag13), and the policy left it for a worse one;
+      with a lagging factor, the relative prices the choice rests on drift with every change of host speed;
     - a cell deviation d[b, t] per exact (batch, tokens per row), moved by each of its steps' error with gain
-      1 / (n + cell_prior), n its visits decayed by `cell_decay` per visit (a first visit moves it half the way,
-      a shape run often is the mean of its ~30 latest steps); after each step the cells of batch b are re-centred
+      1 / (n + cell_prior), n its visits decayed by `cell_decay` per visit (cell_prior 3: a first visit moves it
+      a quarter of the way, a shape run often is the mean of its ~30 latest steps; at 1, one slow first visit
+      priced batch 8 x 3 tokens 1.19x above the others there, bench/out/slices_run12, and it was not run again);
+      after each step the cells of batch b are re-centred
       (their visit-weighted mean moves into F_b), so d is what distinguishes a shape from the others at that
       batch. It learns the shape the calibration got wrong (measured while serving: 9-token steps at batch 1
       cost 1.3x 5-token steps, 1.1x in a calibration) from the steps of that exact shape, and only from them.
     prediction(b, t) = calibrated(b, t) * exp(F_b + d[b, t]). A batch size never run takes the factor of the
     nearest one that has; a shape never run at a batch, the deviation of the nearest shape run there. One step's
     error counts at most MAX_STEP_ERROR (0.25 in log): a burst of interference (4-10x on a shared core) must not
-    price a shape out of use in one step, since a shape priced out is not run again to be corrected. Exact
+    price a shape out of use in one step, since a shape priced out is not run again to be corrected, except by a
+    probe (AdaptivePolicy._probe), whose optimism for a shape grows back as the shape goes unrun: each step at
+    batch b ages the other shapes' recent visits u by `cell_stale` (0.99; u counts as n does, and only sets the
+    probes' optimism, so a stale price is retried without its next step counting for more). Exact
     cells, not grid points: an earlier version corrected the grid points around a step by their interpolation
     weights, so steps of 6 tokens moved the 9-token point, and at batch 1 it priced 9-token steps 18% above
     6-token ones while the forwards measured within 3%. live_rate 0 keeps the calibration as it is.
@@ -203,6 +218,7 @@ class CostModel:
     live_rate: float = DEFAULT_LIVE_RATE
     cell_decay: float = DEFAULT_CELL_DECAY
     cell_prior: float = DEFAULT_CELL_PRIOR
+    cell_stale: float = DEFAULT_CELL_STALE
 
     def __post_init__(self) -> None:
         if not self.target_ms:
@@ -213,13 +229,15 @@ class CostModel:
             raise ValueError(f"cell_decay={self.cell_decay} is out of range (0, 1] (1 = never forget a shape's deviation)")
         if not self.cell_prior > 0.0:
             raise ValueError(f"cell_prior={self.cell_prior} must be > 0 (pseudo-visits that shrink a shape's deviation to 0)")
+        if not 0.0 < self.cell_stale <= 1.0:
+            raise ValueError(f"cell_stale={self.cell_stale} is out of range (0, 1] (1 = a shape's visits never age while others run)")
         self.batches = sorted({b for b, _ in self.target_ms})
         self.tokens = sorted({t for _, t in self.target_ms})
         missing = [(b, t) for b in self.batches for t in self.tokens if (b, t) not in self.target_ms]
         if missing:
             raise ValueError(f"target_ms misses grid points {missing}: measure every (batch, tokens) pair")
         self.batch_factor: dict[int, float] = {}  # b -> F_b (log)
-        self.cells: dict[int, dict[float, list[float]]] = {}  # b -> t -> [decayed visits n, deviation d (log)]
+        self.cells: dict[int, dict[float, list[float]]] = {}  # b -> t -> [decayed visits n, deviation d (log), recent visits u]
         self._calibrated: dict[tuple[int, int], float] = {}  # memo of the interpolated calibration
         self.observations = 0  # measured steps folded in (cached predictions are stale when it changes)
 
@@ -264,8 +282,9 @@ class CostModel:
         return cells[min(cells, key=lambda t: (abs(t - tokens_per_row), -t))][1]
 
     def visits(self, batch: int, tokens_per_row: float) -> float:
-        """The decayed count of measured steps of this exact shape (0 if never run)."""
-        return self.cells.get(batch, {}).get(tokens_per_row, (0.0, 0.0))[0]
+        """Recent visits u of this exact shape (0 if never run): its decayed count of measured steps, aged further
+        by cell_stale at every step of another shape at the batch; the probes' optimism shrinks with it."""
+        return self.cells.get(batch, {}).get(tokens_per_row, (0.0, 0.0, 0.0))[2]
 
     def target_step_ms(self, batch: int, tokens_per_row: float) -> float:
         correction = self.factor(batch) + self._deviation(batch, tokens_per_row)
@@ -286,11 +305,15 @@ class CostModel:
         factor, deviation = self.factor(batch), self._deviation(batch, tokens_per_row)
         residual = float(np.clip(log_ratio - factor - deviation, -MAX_STEP_ERROR, MAX_STEP_ERROR))
         cells = self.cells.setdefault(batch, {})
-        cell = cells.setdefault(tokens_per_row, [0.0, deviation])
+        for tokens, other in cells.items():  # the shapes not run age in the probes' eyes (their optimism grows back)
+            if tokens != tokens_per_row:
+                other[2] *= self.cell_stale
+        cell = cells.setdefault(tokens_per_row, [0.0, deviation, 0.0])
         cell[0] = self.cell_decay * cell[0] + 1.0
+        cell[2] = self.cell_decay * cell[2] + 1.0
         cell[1] += residual / (cell[0] + self.cell_prior)
         factor += self.live_rate * residual
-        mean = sum(n * d for n, d in cells.values()) / sum(n for n, _ in cells.values())
+        mean = sum(n * d for n, d, _ in cells.values()) / sum(n for n, _, _ in cells.values())
         for c in cells.values():
             c[1] -= mean
         self.batch_factor[batch] = factor + mean
@@ -310,13 +333,13 @@ class CostModel:
         return {
             "target_ms": [[b, t, round(ms, 3)] for (b, t), ms in sorted(self.target_ms.items())],
             "draft_ms": [[b, round(ms, 3)] for b, ms in sorted(self.draft_ms.items())],
-            "live_rate": self.live_rate, "cell_decay": self.cell_decay, "cell_prior": self.cell_prior,
+            "live_rate": self.live_rate, "cell_decay": self.cell_decay, "cell_prior": self.cell_prior, "cell_stale": self.cell_stale,
             "observations": self.observations,
             # predicted / calibrated per batch size run and per shape run: [batch, factor] and [batch, tokens, visits, factor]
             "batch_factor": [[b, round(float(np.exp(f)), 3)] for b, f in sorted(self.batch_factor.items())],
             "live_correction": [
                 [b, t, round(n, 1), round(self.live_correction(b, t), 3)]
-                for b, cells in sorted(self.cells.items()) for t, (n, _) in sorted(cells.items())
+                for b, cells in sorted(self.cells.items()) for t, (n, _, _) in sorted(cells.items())
             ],
         }
 
@@ -365,6 +388,10 @@ class AdaptivePolicy(SpeculationPolicy):
         self.incumbent: int | None = None  # width (max gamma) of the plan that ran last; None before the first
         self.plans_made = 0
         self.probes = 0  # probe decisions made (AdaptivePolicy._probe)
+        self.last_prediction: tuple | None = None  # the last plan's expected tokens, predicted ms, goodput per width
+        self._last_plan: tuple[int, int, float] | None = None  # (batch, width, raw expected accepted drafts)
+        self._gain: np.ndarray | None = None  # the last candidates' expected accepted drafts [B, G+1]
+        self.token_counts = [0.0, 0.0, 0.0]  # decayed sums over the plans run: steps, realized, raw predicted accepted drafts
         self._costs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch -> (target_ms [G+1], draft_ms [B+1])
         self._costs_at = cost_model.observations
 
@@ -401,7 +428,9 @@ class AdaptivePolicy(SpeculationPolicy):
         limit = np.full(batch, self.gamma_max) if caps is None else np.clip(np.asarray(caps, dtype=int), 0, self.gamma_max)  # [B]
         gain = np.zeros((batch, self.gamma_max + 1))  # [B, G+1]: expected accepted drafts with g drafts
         gain[:, 1:] = np.cumsum(np.cumprod(self.rates(acceptance), axis=1), axis=1)
+        self._gain = gain
         target_ms, draft_ms = self.costs(batch)
+        factor = self.token_factor()
         plans = [(batch / target_ms[0], np.zeros(batch, dtype=int))]
         for width in range(1, min(self.gamma_max, int(limit.max())) + 1):
             gammas = np.minimum(limit, width)  # [B]
@@ -410,8 +439,9 @@ class AdaptivePolicy(SpeculationPolicy):
             ranked = gammas[order]  # [B]
             # prefix k (rows order[:k] draft): rows in the s-th draft pass, the widest row, the expected tokens
             drafting = np.cumsum(ranked[:, None] >= np.arange(1, width + 1)[None], axis=0)  # [B, W]
-            cost_ms = draft_ms[drafting].sum(axis=1) + target_ms[np.maximum.accumulate(ranked)]  # [B]
-            goodput = (batch + np.cumsum(value[order])) / cost_ms  # [B]
+            widest = np.maximum.accumulate(ranked)  # [B] the plan's width
+            cost_ms = draft_ms[drafting].sum(axis=1) + target_ms[widest]  # [B]
+            goodput = (batch + factor * np.cumsum(value[order])) / cost_ms  # [B]
             k = int(np.argmax(goodput))
             chosen = np.zeros(batch, dtype=int)
             chosen[order[: k + 1]] = ranked[: k + 1]
@@ -436,6 +466,11 @@ class AdaptivePolicy(SpeculationPolicy):
             probe = self._probe(plans, best_goodput, len(acceptance))
             if probe is not None:  # this step only: the incumbent stays
                 goodput, gammas = probe
+        target_ms, draft_ms = self.costs(len(acceptance))
+        width = int(gammas.max())
+        predicted_ms = float(target_ms[width] + sum(draft_ms[int((gammas >= s).sum())] for s in range(1, width + 1)))
+        self.last_prediction = (goodput * predicted_ms, predicted_ms, [float(f"{p[0]:.5g}") for p in plans])
+        self._last_plan = (len(acceptance), width, float(self._gain[np.arange(len(gammas)), gammas].sum()))
         return gammas.tolist(), float(goodput)
 
     def _probe(self, plans: list[tuple[float, np.ndarray]], best_goodput: float, batch: int) -> tuple[float, np.ndarray] | None:
@@ -448,10 +483,13 @@ class AdaptivePolicy(SpeculationPolicy):
         the shapes below it 15-53% under what serving then measured, so the corrected model priced it ~250 ms
         while it ran in 187 (fixed gamma 4's steps), and the policy never ran width 4, the best, two widths from its
         incumbent. Optimism in the face of uncertainty (UCB): a width's goodput is scaled by exp(probe_bonus /
-        sqrt(n + 1)), n the decayed visits of its (batch, tokens) shape (an unvisited shape 1.28x, after 3 visits
+        sqrt(n + 1)), n the recent visits of its (batch, tokens) shape (an unvisited shape 1.28x, after 3 visits
         1.13x, after 30 1.05x); one decision in probe_every (16) runs the best width by that score. A probe costs
         at most what the plan's predicted goodput lacks (< 1 - (1 - probe_margin) / exp(probe_bonus), 30%), one
-        step in 16 (< 2%), and less as the shapes near the optimum are learnt."""
+        step in 16 (< 2%), and less as the shapes near the optimum are learnt. n is the shape's recent visits
+        (CostModel.visits), which age while other shapes run, so a shape priced out by a burst of interference
+        gets its optimism back and is retried (run 11, concurrency 8: width 2, the best, ran 1 step in 495 after
+        a few slow visits priced it 1.1x above the others at its batch)."""
         self.probes += 1
         cost = self.cost_model
         scored = []
@@ -480,13 +518,35 @@ class AdaptivePolicy(SpeculationPolicy):
     def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
         return self.plan(acceptance, caps)[0]
 
-    def observe_step(self, batch: int, width_tokens: int, target_ms: float) -> None:
+    def token_factor(self) -> float:
+        """Realized / predicted accepted drafts of the plans that ran (1 before any): the live check on the
+        acceptance estimates, as CostModel.observe is on the prices. A request's estimate comes from its few latest
+        proposals, and the scheduler's lookup evidence resolves a proposal at its first rejection but, when it is
+        right, only once it is fully covered, so recent evidence leans to rejections. Measured
+        (bench/out/slices_run12, concurrency 4): the plans run emitted 3.6-5.3% more than predicted at widths 1-2,
+        8.6% at width 8. One factor for all widths, as the live cost correction has one per batch: a factor per
+        width would correct only the widths run, so the incumbent alone would be priced by it. The ratio of
+        decayed sums over the ~100 latest steps, shrunk to 1 by TOKEN_PRIOR pseudo-steps, within
+        TOKEN_FACTOR_RANGE; it scales every plan's expected accepted drafts."""
+        steps, realized, predicted = self.token_counts
+        if predicted <= 0.0:
+            return 1.0
+        ratio = (steps * realized / predicted + TOKEN_PRIOR) / (steps + TOKEN_PRIOR)
+        return float(np.clip(ratio, *TOKEN_FACTOR_RANGE))
+
+    def observe_step(self, batch: int, width_tokens: int, target_ms: float, emitted: int | None = None) -> None:
         self.cost_model.observe(batch, width_tokens, target_ms)
+        plan, self._last_plan = self._last_plan, None
+        if emitted is None or plan is None or plan[:2] != (batch, width_tokens - 1) or width_tokens <= 1:
+            return  # no prediction for this step (another caller, rows dropped), or nothing drafted
+        for i, value in enumerate((1.0, float(emitted - batch), plan[2])):
+            self.token_counts[i] = TOKEN_DECAY * self.token_counts[i] + value
 
     def describe(self) -> dict:
         return {
             "policy": self.name, "gamma_max": self.gamma_max, "prior_alpha": self.prior_alpha, "margin": self.margin,
             "probe_every": self.probe_every, "probe_margin": self.probe_margin, "probe_bonus": self.probe_bonus, "probes": self.probes,
+            "token_factor": round(self.token_factor(), 3),
             "cost_model": self.cost_model.to_dict(),
         }
 
@@ -595,7 +655,10 @@ def monotone(cost: CostModel) -> CostModel:
     for batch in sorted(cost.draft_ms):
         running = max(running, cost.draft_ms[batch])
         draft_ms[batch] = running
-    return CostModel(target_ms=target_ms, draft_ms=draft_ms, live_rate=cost.live_rate, cell_decay=cost.cell_decay, cell_prior=cost.cell_prior)
+    return CostModel(
+        target_ms=target_ms, draft_ms=draft_ms, live_rate=cost.live_rate, cell_decay=cost.cell_decay, cell_prior=cost.cell_prior,
+        cell_stale=cost.cell_stale,
+    )
 
 
 def make_policy(name: str, *, gamma: int = 4, table: str | None = None, cost_model: CostModel | None = None) -> SpeculationPolicy:

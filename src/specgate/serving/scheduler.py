@@ -604,10 +604,14 @@ class Scheduler:
         # the adaptive cost model learns the whole step but its draft passes (priced on their own): the lookups,
         # the forward, the verification and the commit, which grow with the tokens a step scores and emits
         step_ms = 1e3 * (time.perf_counter() - step_start - draft_s)
-        self.policy.observe_step(batch, width + 1, step_ms)
+        self.policy.observe_step(batch, width + 1, step_ms, committed if len(running) == batch else None)
         self._update_gauges()
         if self.trace is not None:  # one record per decode step, for benchmarks (times in ms)
+            predicted = getattr(self.policy, "last_prediction", None)  # adaptive: the plan's (tokens, ms)
             self.trace.append({
+                "predicted_tokens": None if predicted is None else predicted[0],
+                "predicted_ms": None if predicted is None else predicted[1],
+                "predicted_goodputs": None if predicted is None else predicted[2],
                 "end_s": now, "batch": batch, "width": width, "drafted": sum(num_drafts),
                 "emitted": committed, "step_ms": 1e3 * (time.perf_counter() - step_start),
                 "forward_ms": 1e3 * forward_s, "draft_ms": 1e3 * draft_s, "prefill_tokens": self.last_prefill_tokens,
