@@ -2,6 +2,7 @@
 
 Run: flock /tmp/specgate-heavy.lock .venv/bin/python bench/bench_slices.py --concurrency 1,2,4,8,16 --out bench/out/slices
      .venv/bin/python bench/bench_slices.py --table bench/out/slices/results.json   # the markdown table again
+     .venv/bin/python bench/bench_slices.py --pool bench/out/a/results.json,bench/out/b/results.json  # sweeps pooled
 
 Why another serving benchmark: bench_serving.py runs each (lane, concurrency) point for 4-8 s and compares
 medians of 3-5 repeats, but on this shared VM the host's speed moves by 20-40% within seconds (the off lane's
@@ -101,8 +102,8 @@ def summarize(slices: list[dict], lanes: list[str], rounds: list[int], seed: int
     for lane in lanes:
         mine = [s for s in slices if s["lane"] == lane and s["round"] in rounds]
         tokens, wall = sum(s["tokens"] for s in mine), sum(s["wall_s"] for s in mine)
-        intervals = [x for s in mine for x in s["intervals_ms"]]
-        widths = [w for s in mine for w in s["widths"]]
+        intervals = [x for s in mine for x in s.get("intervals_ms", [])]  # not kept in results.json (see pool)
+        widths = [w for s in mine for w in s.get("widths", [])]
         out["lanes"][lane] = {
             "throughput_tok_s": tokens / wall if wall else None, "tokens": tokens, "seconds": wall,
             "steps": sum(s["steps"] for s in mine),
@@ -140,6 +141,25 @@ def summarize(slices: list[dict], lanes: list[str], rounds: list[int], seed: int
     return out
 
 
+def pool(records: list[dict]) -> list[tuple[int, dict]]:
+    """Sweeps of the same code pooled: per concurrency that every record has, their measured slices together
+    (rounds renumbered, so a bootstrap resamples the rounds of all of them), summarized again. Throughput and
+    the ratio only: results.json does not keep the step intervals, so ITL comes from each run's own table."""
+    by_c: dict[int, list[dict]] = {}
+    counts: dict[int, int] = {}
+    lanes: dict[int, list[str]] = {}
+    for record in records:
+        for point in record["points"]:
+            c = point["concurrency"]
+            offset = counts.get(c, 0)
+            measured = [s for s in point["slices"] if s["round"] >= 0]
+            by_c.setdefault(c, []).extend({**s, "round": s["round"] + offset} for s in measured)
+            counts[c] = offset + 1 + max(s["round"] for s in measured)
+            lanes.setdefault(c, list(point["summary"]["lanes"]))
+    present = [c for c in by_c if all(any(p["concurrency"] == c for p in r["points"]) for r in records)]
+    return [(c, summarize(by_c[c], lanes[c], list(range(counts[c])))) for c in sorted(present)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="gemma-3-270m")
@@ -154,8 +174,13 @@ def main() -> None:
     parser.add_argument("--length-spread", type=float, default=0.5, help="each request's max_tokens is uniform in max_tokens * (1 +- this)")
     parser.add_argument("--keep-steps", action="store_true", help="write every step's trace record (batch, width, ms, tokens) into results.json")
     parser.add_argument("--out", type=Path, default=Path("bench/out/slices"))
+    parser.add_argument("--pool", default=None, help="comma list of results.json of sweeps of the same code: print adaptive / best other over all their rounds (no run)")
     parser.add_argument("--table", type=Path, default=None, help="print the markdown table of an existing results.json and plot it into --out (no run)")
     args = parser.parse_args()
+    if args.pool:
+        for concurrency, summary in pool([json.loads(Path(f).read_text()) for f in args.pool.split(",")]):
+            print(line(concurrency, summary))
+        return
     if args.table:
         record = json.loads(args.table.read_text())
         print("\n".join(table(record)))

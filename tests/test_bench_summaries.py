@@ -160,6 +160,27 @@ def test_slices_summary_pools_rounds_and_pairs_them():
     assert not load("bench_slices").summarize(below, ["off", "fixed g=4", "adaptive"], [0, 1, 2])["met"]
 
 
+def test_slices_pool_merges_sweeps_round_by_round():
+    """bench_slices.pool: two sweeps' stored points (results.json keeps no step intervals) pooled per concurrency,
+    rounds renumbered so that the second sweep's rounds are new rounds, warm-up rounds left out, a concurrency
+    only one sweep has left out; the pooled ratio is the tokens / seconds ratio over both."""
+    def point(c, rows):
+        slices = [{k: v for k, v in slice_row(*row).items() if k not in ("intervals_ms", "widths")} for row in rows]
+        return {"concurrency": c, "summary": {"lanes": {"fixed g=2": {}, "adaptive": {}}}, "slices": slices}
+    first = {"points": [
+        point(4, [("fixed g=2", -1, 1, 1.0), ("adaptive", -1, 900, 1.0), ("fixed g=2", 0, 100, 1.0), ("adaptive", 0, 90, 1.0),
+                  ("fixed g=2", 1, 100, 1.0), ("adaptive", 1, 100, 1.0)]),
+        point(8, [("fixed g=2", 0, 100, 1.0), ("adaptive", 0, 100, 1.0), ("fixed g=2", 1, 100, 1.0), ("adaptive", 1, 100, 1.0)]),
+    ]}
+    second = {"points": [point(4, [("fixed g=2", 0, 200, 2.0), ("adaptive", 0, 160, 2.0), ("fixed g=2", 1, 100, 1.0), ("adaptive", 1, 95, 1.0)])]}
+    pooled = load("bench_slices").pool([first, second])
+    assert [c for c, _ in pooled] == [4]
+    summary = pooled[0][1]
+    assert summary["ratio"] == pytest.approx((445 / 5) / (500 / 5)) and len(summary["paired_ratios"]) == 4
+    assert summary["paired_ratios"] == pytest.approx([0.9, 1.0, 0.8, 0.95]) and not summary["met"]
+    assert summary["lanes"]["adaptive"]["itl_p50_ms"] is None
+
+
 def test_slices_closed_loop_on_a_real_scheduler(tiny_model_dir):
     """ClosedLoop + run_slice on a real scheduler (tiny random model): clients are replaced as they finish, the
     policy can be swapped between slices, and a slice's tokens are exactly the tokens its steps committed."""
