@@ -66,7 +66,7 @@ DEFAULT_MARGIN = 0.03  # adaptive: the incumbent width stays while within 3% of 
 DEFAULT_PROBE_EVERY = 16  # adaptive: one step in 16 runs the most promising other width (AdaptivePolicy._probe)
 DEFAULT_PROBE_MARGIN = 0.10  # ... if its optimistic goodput is within 10% of the best plan's
 DEFAULT_PROBE_BONUS = 0.25  # ... optimism exp(0.25 / sqrt(visits + 1)) for a shape seen `visits` times
-TOKEN_DECAY = 0.99  # adaptive: the realized / predicted accepted drafts per width, over its ~100 latest steps
+TOKEN_DECAY = 0.99  # adaptive: the realized / predicted accepted drafts, over the ~100 latest steps (token_factor)
 TOKEN_PRIOR = 4.0  # ... shrunk towards 1 by this many pseudo-steps
 TOKEN_FACTOR_RANGE = (0.7, 1.4)  # ... and kept within this range
 Acceptance = float | Sequence[float] | None  # one alpha, conditional rates per position, or unknown
@@ -390,7 +390,6 @@ class AdaptivePolicy(SpeculationPolicy):
         self.probes = 0  # probe decisions made (AdaptivePolicy._probe)
         self.last_prediction: tuple | None = None  # the last plan's expected tokens, predicted ms, goodput per width
         self._last_plan: tuple[int, int, float] | None = None  # (batch, width, raw expected accepted drafts)
-        self._gain: np.ndarray | None = None  # the last candidates' expected accepted drafts [B, G+1]
         self.token_counts = [0.0, 0.0, 0.0]  # decayed sums over the plans run: steps, realized, raw predicted accepted drafts
         self._costs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch -> (target_ms [G+1], draft_ms [B+1])
         self._costs_at = cost_model.observations
@@ -428,7 +427,6 @@ class AdaptivePolicy(SpeculationPolicy):
         limit = np.full(batch, self.gamma_max) if caps is None else np.clip(np.asarray(caps, dtype=int), 0, self.gamma_max)  # [B]
         gain = np.zeros((batch, self.gamma_max + 1))  # [B, G+1]: expected accepted drafts with g drafts
         gain[:, 1:] = np.cumsum(np.cumprod(self.rates(acceptance), axis=1), axis=1)
-        self._gain = gain
         target_ms, draft_ms = self.costs(batch)
         factor = self.token_factor()
         plans = [(batch / target_ms[0], np.zeros(batch, dtype=int))]
@@ -469,8 +467,9 @@ class AdaptivePolicy(SpeculationPolicy):
         target_ms, draft_ms = self.costs(len(acceptance))
         width = int(gammas.max())
         predicted_ms = float(target_ms[width] + sum(draft_ms[int((gammas >= s).sum())] for s in range(1, width + 1)))
-        self.last_prediction = (goodput * predicted_ms, predicted_ms, [float(f"{p[0]:.5g}") for p in plans])
-        self._last_plan = (len(acceptance), width, float(self._gain[np.arange(len(gammas)), gammas].sum()))
+        expected = goodput * predicted_ms  # rows + token_factor * the estimates' accepted drafts
+        self.last_prediction = (expected, predicted_ms, [float(f"{p[0]:.5g}") for p in plans])
+        self._last_plan = (len(acceptance), width, (expected - len(acceptance)) / self.token_factor())
         return gammas.tolist(), float(goodput)
 
     def _probe(self, plans: list[tuple[float, np.ndarray]], best_goodput: float, batch: int) -> tuple[float, np.ndarray] | None:
