@@ -14,6 +14,7 @@ from specgate.drafting.model_drafter import ModelDrafter
 from specgate.engine import generate
 from specgate.models import load_model
 from specgate.sampling import SamplingParams
+from specgate.serving.acceptance import AcceptanceStats
 from specgate.serving import FixedPolicy, QueueFullError, Request, RequestTooLongError, Scheduler, TablePolicy
 from specgate.serving.metrics import ServingMetrics
 
@@ -247,23 +248,67 @@ def test_adaptive_policy_in_the_loop_gives_per_request_gammas_and_stays_exact(ti
 
 def test_lookup_proposals_are_scored_beyond_the_verified_drafts(tiny_target):
     """Each n-gram proposal (up to the policy's max gamma, not just the drafts verified) is scored against the
-    output once known: positions the policy did not verify still get evidence, so long drafts can be learned."""
+    output once known: positions the policy did not verify still get evidence, so long drafts can be learned.
+    Each position counts as soon as the output decides it, once: a proposal still matching is not held back
+    until it resolves (which would put its failures in the estimate before the successes made with them)."""
     scheduler = Scheduler(tiny_target, draft="ngram", policy=FixedPolicy(2), num_slots=1, max_seq_len=32)
     request = Request(make_prompts(1)[0], GREEDY, max_tokens=20)
-    state = {"proposals": [(0, [5, 6, 7, 8, 9]), (2, [7, 9, 9])]}
-    request.tokens = [5, 6, 7]  # both proposals match so far but are not fully known: still pending
+    state = {"proposals": [(0, [5, 6, 7, 8, 9], 0), (2, [7, 9, 9], 0)]}
+    stats = request.acceptance_stats  # decay 0.8 at each proposal's first counted position
+    request.tokens = [5, 6, 7]  # first: 3 positions accepted, still pending; second: 1 accepted, pending
     scheduler._score_proposals(request, state, final=False)
-    assert len(state["proposals"]) == 2 and request.acceptance_stats.tested.sum() == 0
-    request.tokens = [5, 6, 7, 8, 1, 2]  # first: 4 accepted, 5th rejected; second: 7 accepted, 9 != 8 rejected
+    assert state["proposals"] == [(0, [5, 6, 7, 8, 9], 3), (2, [7, 9, 9], 1)]
+    assert stats.accepted[:5].tolist() == pytest.approx([1.8, 0.8, 0.8, 0.0, 0.0])
+    assert stats.tested[:5].tolist() == pytest.approx([1.8, 0.8, 0.8, 0.0, 0.0])
+    request.tokens = [5, 6, 7, 8, 1, 2]  # first: 4 accepted, 5th rejected; second: 9 != 8 rejected at position 2
     scheduler._score_proposals(request, state, final=False)
     assert state["proposals"] == []
-    stats = request.acceptance_stats  # decay 0.8 between the two observations
-    assert stats.accepted[:5].tolist() == pytest.approx([1.8, 0.8, 0.8, 0.8, 0.0])
-    assert stats.tested[:5].tolist() == pytest.approx([1.8, 1.8, 0.8, 0.8, 0.8])
-    state["proposals"] = [(6, [3, 4, 5])]
+    # each position once, weighted as of when it was decided (positions 4-5 after the second proposal's decay)
+    assert stats.accepted[:5].tolist() == pytest.approx([1.8, 0.8, 0.8, 1.0, 0.0])
+    assert stats.tested[:5].tolist() == pytest.approx([1.8, 1.8, 0.8, 1.0, 1.0])
+    state["proposals"] = [(6, [3, 4, 5], 0)]
     request.tokens += [3]  # the request ends with the proposal partly known: score what is known
     scheduler._score_proposals(request, state, final=True)
     assert state["proposals"] == [] and stats.tested[0] == pytest.approx(1.8 * 0.8 + 1)
+    assert stats.tested[1] == pytest.approx(1.8 * 0.8)  # position 2 undecided: untested
+
+
+def test_position_by_position_scoring_removes_the_resolution_lag_bias():
+    """Lookup proposals that hold resolve later than those that fail. Simulated: every step a request makes a
+    proposal of 8 whose first draft holds with probability 0.9 (then the rest hold); the output advances 2 tokens
+    a step. Counting whole proposals at resolution over the first 12 steps of each request (the evidence a short
+    request's estimate rests on) puts position 1 well under 0.9; counting each position when decided does not."""
+    import random
+
+    def estimate(by_position: bool) -> float:
+        rng, values = random.Random(0), []
+        for _ in range(400):
+            stats, pending, length, output = AcceptanceStats(), [], 0, []
+            for step in range(12):
+                start = len(output)
+                holds = rng.random() < 0.9
+                pending.append([start, holds, 0])
+                output.extend([1, 1])
+                length += 2
+                keep = []
+                for item in pending:
+                    at, ok, counted = item
+                    known = length - at
+                    matched = min(known, 8) if ok else 0
+                    decided = min(matched + 1, known, 8)
+                    resolved = not ok or known >= 8
+                    if by_position:
+                        stats.observe_positions(counted, decided, matched)
+                    elif resolved:
+                        stats.observe(min(known, 8), matched)
+                    if not resolved:
+                        keep.append([at, ok, decided])
+                pending = keep
+                values.append(stats.profile(0.9)[0])
+        return sum(values) / len(values)
+
+    assert abs(estimate(by_position=True) - 0.9) < 0.01
+    assert estimate(by_position=False) < 0.88  # negative control: the lag bias, without the fix
 
 
 def test_trace_records_every_decode_step(tiny_target):

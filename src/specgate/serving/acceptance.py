@@ -44,11 +44,21 @@ class AcceptanceStats:
         """One verified draft sequence: `accepted` of its `drafted` tokens were accepted (0 <= accepted <= drafted)."""
         if drafted <= 0:
             return
-        tested = min(accepted + 1, drafted, self.tested.size)
-        self.accepted *= self.decay
-        self.tested *= self.decay
-        self.accepted[: min(accepted, tested)] += 1.0
-        self.tested[:tested] += 1.0
+        self.observe_positions(0, min(accepted + 1, drafted), accepted)
+
+    def observe_positions(self, counted: int, decided: int, accepted: int) -> None:
+        """Positions counted+1..decided of one draft sequence were decided: those <= accepted were accepted, the
+        one after them (if decided) rejected. The sequence's first call (counted 0) ages the earlier evidence, as
+        one observe does; later calls add the positions decided since, so a sequence is counted position by
+        position as its outcome becomes known (Scheduler._score_proposals), never twice."""
+        decided = min(decided, self.tested.size)
+        if decided <= counted:
+            return
+        if counted == 0:
+            self.accepted *= self.decay
+            self.tested *= self.decay
+        self.accepted[counted : max(counted, min(accepted, decided))] += 1.0
+        self.tested[counted:decided] += 1.0
 
     def observe_first(self, accept_probability: float) -> None:
         """Evidence about position 1 only, as an expected accept (a shadow draft scored against the target)."""
