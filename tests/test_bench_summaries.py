@@ -206,3 +206,29 @@ def test_slices_closed_loop_on_a_real_scheduler(tiny_model_dir):
     assert len(lengths) == 4 and all(5 <= n <= 15 for n in lengths) and len(set(lengths)) > 1
     with pytest.raises(ValueError, match="spread=1.5"):
         bench.ClosedLoop(scheduler, prompts, 1, max_tokens=10, spread=1.5)
+
+
+def test_replay_follows_the_output_and_its_costs():
+    """bench_replay.replay on synthetic greedy outputs and a cost table whose answers are known: with speculation
+    off every step commits one token per row at the table's one-token price; a copy-heavy output that lookups
+    predict gives fixed gamma 4 more tokens per step than off; the oracle (true match lengths) is at least as fast
+    as every fixed lane on the same replay, and a cost table built from a trace is made non-decreasing."""
+    bench = load("bench_replay")
+    pattern = list(range(10, 20))
+    data = {"prompts": [pattern + pattern[:3]], "outputs": [pattern[3:] + pattern * 12]}  # the output copies the prompt
+    table = {2: ([2, 4, 6, 10, 18], [20.0, 24.0, 28.0, 40.0, 80.0])}
+    common = {"seconds": 30.0, "noise": 0.0, "prefill_ms": 0.0, "max_tokens": 40, "spread": 0.0, "seed": 0}
+    off = bench.replay(bench.make_policy("off"), data, table, 2, **common)
+    assert off["throughput_tok_s"] == pytest.approx(2 / 20.0 * 1e3) and off["mean_width"] == 0.0
+    fixed = {g: bench.replay(bench.make_policy("fixed", gamma=g), data, table, 2, **common)["throughput_tok_s"] for g in (1, 2, 4, 8)}
+    assert fixed[4] > 2.0 * off["throughput_tok_s"]  # lookups copy the prompt: most drafts accepted
+    oracle = bench.replay(bench.OraclePolicy(8, table), data, table, 2, **common)["throughput_tok_s"]
+    assert oracle >= max(fixed.values()) * (1 - 1e-9)
+    record = {"points": [{
+        "concurrency": 2, "adaptive": {"cost_model": {"target_ms": [[1, 1, 10.0], [2, 1, 20.0]]}},
+        "slices": [{"trace": [{"batch": 2, "drafted": 0, "prefill_tokens": 0, "step_ms": 99.0}]  # a slice's first step is left out
+                   + [{"batch": 2, "drafted": d, "prefill_tokens": 0, "step_ms": ms} for d, ms in [(0, 20.0), (2, 30.0), (4, 25.0)] * 5]
+                   + [{"batch": 2, "drafted": 8, "prefill_tokens": 40, "step_ms": 500.0}] * 5}],  # prefill steps left out
+    }]}
+    costs, calibration = bench.cost_table(record)
+    assert costs[2] == ([2, 4, 6], [20.0, 30.0, 30.0]) and calibration == {(1, 1): 10.0, (2, 1): 20.0}
