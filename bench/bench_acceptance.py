@@ -9,6 +9,7 @@ the policy was given (conditional rates per draft position), its cap and gamma, 
 match length is known, and with it what ANY gamma would have accepted at that step. Reported:
 - per draft position k, the mean estimated a_k against the rate at which position k was accepted given 1..k-1
   were (calibration of the estimates);
+- the same by quantile of the estimate (how much a request's own estimate tells: regression to the mean);
 - grouped by the width the policy chose, the accepted drafts per row predicted (estimates x the adaptive policy's
   token factor) and realized had width W run, for W = 1..8: the counterfactual the policy's choice rests on.
 """
@@ -90,6 +91,16 @@ def report(record: dict, concurrency: int) -> list[str]:
                     estimated[k].append(row["profile"][k - 1])
                     realized[k].append(float(row["m"] >= k))
     lines += [f"| {k} | {len(estimated[k])} | {np.mean(estimated[k]):.3f} | {np.mean(realized[k]):.3f} |" for k in sorted(estimated)]
+    lines += ["", "By estimate (rows split at the 10/25/50/75% quantiles of their estimated a_k): mean estimated / accepted rate", ""]
+    lines += ["| position k | lowest 10% | 10-25% | 25-50% | 50-75% | top 25% |", "|---|---|---|---|---|---|"]
+    for k in (1, 2, 3):
+        e, y = np.array(estimated[k]), np.array(realized[k])
+        if not e.size:
+            continue
+        cuts = np.quantile(e, [0.1, 0.25, 0.5, 0.75])
+        bins = np.searchsorted(cuts, e, side="right")  # 0..4
+        cells = [f"{e[bins == b].mean():.3f} / {y[bins == b].mean():.3f}" if (bins == b).any() else "-" for b in range(5)]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
     lines += ["", "| chosen width | steps | " + " | ".join(f"W={w}" for w in range(1, 9)) + " |", "|---" * 10 + "|"]
     by_width: dict[int, list] = defaultdict(list)
     for step in steps:

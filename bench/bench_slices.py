@@ -3,6 +3,7 @@
 Run: flock /tmp/specgate-heavy.lock .venv/bin/python bench/bench_slices.py --concurrency 1,2,4,8,16 --out bench/out/slices
      .venv/bin/python bench/bench_slices.py --table bench/out/slices/results.json   # the markdown table again
      .venv/bin/python bench/bench_slices.py --pool bench/out/a/results.json,bench/out/b/results.json  # sweeps pooled
+     .venv/bin/python bench/bench_slices.py --steps bench/out/slices/results.json  # per-width step table (--keep-steps runs)
 
 Why another serving benchmark: bench_serving.py runs each (lane, concurrency) point for 4-8 s and compares
 medians of 3-5 repeats, but on this shared VM the host's speed moves by 20-40% within seconds (the off lane's
@@ -176,10 +177,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/out/slices"))
     parser.add_argument("--pool", default=None, help="comma list of results.json of sweeps of the same code: print adaptive / best other over all their rounds (no run)")
     parser.add_argument("--table", type=Path, default=None, help="print the markdown table of an existing results.json and plot it into --out (no run)")
+    parser.add_argument("--steps", type=Path, default=None, help="per-width table of the full-batch decode steps of a --keep-steps results.json (no run)")
     args = parser.parse_args()
     if args.pool:
         for concurrency, summary in pool([json.loads(Path(f).read_text()) for f in args.pool.split(",")]):
             print(line(concurrency, summary))
+        return
+    if args.steps:
+        print("\n".join(step_table(json.loads(args.steps.read_text()))))
         return
     if args.table:
         record = json.loads(args.table.read_text())
@@ -287,6 +292,39 @@ def line(concurrency: int, summary: dict) -> str:
         f"[95% CI {low:.3f}-{high:.3f}], paired per round median {summary['paired_median']:.3f} "
         f"{'met' if summary['met'] else 'MISSED'} (goal >= 0.95)"
     )
+
+
+def step_table(record: dict) -> list[str]:
+    """Markdown, from a --keep-steps record: per (C, lane, width) the measured full-batch decode steps (prefill
+    steps and each slice's first step left out): count, median step and forward ms, median ms outside the forward
+    (lookups, verification, commit, the policy), mean emitted tokens, tokens per ms (sum / sum), and for the
+    adaptive lane its mean predicted ms and tokens."""
+    rows = [
+        "| C | lane | width | steps | step ms (median) | forward ms | outside forward ms | emitted | tokens / ms | predicted ms / tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for point in record["points"]:
+        concurrency, groups = point["concurrency"], {}
+        for piece in point["slices"]:
+            if piece["round"] < 0:
+                continue
+            for step in piece.get("trace", [])[1:]:
+                if step["batch"] == concurrency and not step["prefill_tokens"]:
+                    groups.setdefault((piece["lane"], step["width"]), []).append(step)
+        if not groups:
+            raise SystemExit("--steps needs a results.json written with --keep-steps")
+        for (lane, width), steps in sorted(groups.items()):
+            predicted = [s for s in steps if s.get("predicted_ms") is not None]
+            guess = (
+                f"{statistics.fmean(s['predicted_ms'] for s in predicted):.1f} / {statistics.fmean(s['predicted_tokens'] for s in predicted):.2f}"
+                if predicted else "-"
+            )
+            rows.append(
+                f"| {concurrency} | {lane} | {width} | {len(steps)} | {statistics.median(s['step_ms'] for s in steps):.1f} | "
+                f"{statistics.median(s['forward_ms'] for s in steps):.1f} | {statistics.median(s['step_ms'] - s['forward_ms'] for s in steps):.2f} | "
+                f"{statistics.fmean(s['emitted'] for s in steps):.2f} | {sum(s['emitted'] for s in steps) / sum(s['step_ms'] for s in steps):.4f} | {guess} |"
+            )
+    return rows
 
 
 def table(record: dict) -> list[str]:

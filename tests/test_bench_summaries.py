@@ -232,3 +232,27 @@ def test_replay_follows_the_output_and_its_costs():
     }]}
     costs, calibration = bench.cost_table(record)
     assert costs[2] == ([2, 4, 6], [20.0, 30.0, 30.0]) and calibration == {(1, 1): 10.0, (2, 1): 20.0}
+
+
+def test_slices_step_table_groups_full_batch_decode_steps_by_width():
+    """bench_slices.step_table: per (C, lane, width) only measured full-batch decode steps (warm-up rounds, prefill
+    steps, partial batches and each slice's first step left out), medians and sums as stated; the adaptive lane's
+    mean predictions, "-" for lanes without any; a record without traces is refused."""
+    bench = load("bench_slices")
+
+    def step(width, ms, emitted, batch=2, prefill=0, predicted=None):
+        return {"batch": batch, "width": width, "drafted": 2 * width, "emitted": emitted, "step_ms": ms, "forward_ms": ms - 3.0,
+                "prefill_tokens": prefill, "predicted_ms": predicted, "predicted_tokens": None if predicted is None else emitted + 1.0}
+
+    first = step(2, 999.0, 99)  # a slice's first step: left out
+    record = {"points": [{"concurrency": 2, "slices": [
+        {"lane": "adaptive", "round": 0, "trace": [first, step(2, 40.0, 4, predicted=41.0), step(2, 50.0, 6, predicted=49.0), step(2, 45.0, 5, predicted=45.0),
+                                                    step(2, 80.0, 9, prefill=30), step(2, 20.0, 2, batch=1)]},
+        {"lane": "adaptive", "round": -1, "trace": [first, step(2, 500.0, 1)]},  # warm-up round
+        {"lane": "fixed g=4", "round": 0, "trace": [first, step(4, 60.0, 8)]},
+    ]}]}
+    rows = bench.step_table(record)
+    assert rows[2] == "| 2 | adaptive | 2 | 3 | 45.0 | 42.0 | 3.00 | 5.00 | 0.1111 | 45.0 / 6.00 |"
+    assert rows[3] == "| 2 | fixed g=4 | 4 | 1 | 60.0 | 57.0 | 3.00 | 8.00 | 0.1333 | - |" and len(rows) == 4
+    with pytest.raises(SystemExit, match="keep-steps"):
+        bench.step_table({"points": [{"concurrency": 2, "slices": [{"lane": "off", "round": 0, "tokens": 1}]}]})
