@@ -6,8 +6,8 @@ Why: on this VM a sliced sweep (bench_slices.py) takes 19 minutes and its interv
 apart two policies 2% apart, nor say where a policy loses. Greedy decoding with n-gram drafts is deterministic:
 each prompt's output is fixed, and so is every lookup proposal (a function of the context) and what it would
 have accepted at any gamma. The replay runs the closed loop of bench_slices.py (same prompts, lengths, order)
-without the model: each step, the lookups (specgate.drafting.NgramDrafter), the per-request acceptance estimates
-(the scheduler's own Scheduler._score_proposals and AcceptanceStats), the policy's choice (the real policy objects)
+without the model: each step, the lookups and the per-request acceptance estimates (the scheduler's own
+Scheduler._lookups, Scheduler._score_proposals and AcceptanceStats), the policy's choice (the real policy objects)
 and its cost: the mean measured step time, in the --costs trace, of full-batch decode steps at that batch with
 that many real tokens (batch + drafts: the C stack runs only a step's real tokens), times log-normal noise
 (--noise). The adaptive lane's cost model starts from the calibration recorded in that trace and learns from the
@@ -119,60 +119,59 @@ def replay(policy: SpeculationPolicy, data: dict, table: dict, concurrency: int,
     """One lane's closed loop for `seconds` of replayed time: tokens per second and mean width."""
     prompts, outputs = data["prompts"], data["outputs"]
     lengths, noise_rng = random.Random(concurrency), np.random.default_rng(seed)  # bench_slices.py's length stream
-    holder = SimpleNamespace(traffic_acceptance=AcceptanceStats(TRAFFIC_DECAY))  # what _score_proposals reads
-    clock, emitted, widths, sent, running = 0.0, 0, [], 0, []
+    # what the scheduler's own _lookups and _score_proposals read, so the replay proposes and scores as it does
+    holder = SimpleNamespace(traffic_acceptance=AcceptanceStats(TRAFFIC_DECAY), draft_kind="ngram", policy=policy)
+    low, high = round(max_tokens * (1 - spread)), round(max_tokens * (1 + spread))
+    clock, emitted, widths, sent = 0.0, 0, [], 0
 
-    def submit(client: int) -> None:
+    def new_request(client: int) -> tuple[SimpleNamespace, dict]:
         nonlocal sent, clock
-        low, high = round(max_tokens * (1 - spread)), round(max_tokens * (1 + spread))
         index = (client + sent) % len(prompts)
         request = SimpleNamespace(index=index, tokens=[], acceptance_stats=AcceptanceStats(), acceptance=None,
-                                  max_tokens=max(1, lengths.randint(low, high)), ngram=NgramDrafter())
-        running.append((request, {"proposals": []}))
+                                  max_tokens=max(1, lengths.randint(low, high)))
+        context = torch.zeros(len(prompts[index]) + request.max_tokens + 1, dtype=torch.int64)  # [S] as the scheduler's
+        context[: len(prompts[index])] = torch.tensor(prompts[index])
         sent += 1
         clock += prefill_ms
+        return request, {"proposals": [], "ngram": NgramDrafter(), "context": context, "length": len(prompts[index])}
 
-    for client in range(concurrency):
-        submit(client)
+    running = [new_request(client) for client in range(concurrency)]  # slot i serves client i
     while clock < seconds * 1e3:
         batch = len(running)
-        budgets = [r.max_tokens - len(r.tokens) - 1 for r, _ in running]
-        lookups = [
-            r.ngram.propose(torch.tensor(prompts[r.index] + r.tokens), max(1, min(policy.max_gamma, b))).tokens.tolist()
-            for (r, _), b in zip(running, budgets)
-        ]
+        requests, states = [r for r, _ in running], [state for _, state in running]
+        budgets = [r.max_tokens - len(r.tokens) - 1 for r in requests]
+        lookups = Scheduler._lookups(holder, requests, states, budgets)
         caps = [min(len(p), b) for p, b in zip(lookups, budgets)]
         matches = []
-        for (r, _), proposal in zip(running, lookups):
+        for r, proposal in zip(requests, lookups):
             truth = outputs[r.index][len(r.tokens) : len(r.tokens) + len(proposal)]
             matches.append(next((k for k, (a, b) in enumerate(zip(truth, proposal)) if a != b), len(truth)))
         if isinstance(policy, OraclePolicy):
             policy.truth = matches
         prior = holder.traffic_acceptance.profile(FLAT_PRIOR)
-        gammas = policy.choose([r.acceptance_stats.profile(prior) for r, _ in running], caps)
+        gammas = policy.choose([r.acceptance_stats.profile(prior) for r in requests], caps)
         gammas = [max(0, min(int(g), cap)) for g, cap in zip(gammas, caps)]
-        for (r, state), proposal in zip(running, lookups):
+        for r, state, proposal in zip(requests, states, lookups):
             if proposal:
                 state["proposals"].append((len(r.tokens), proposal, 0))
         width = max(gammas)
         ms = step_ms(table, batch, batch + sum(gammas)) * float(np.exp(noise_rng.normal(0.0, noise)))
         clock += ms
-        committed, done = 0, []
-        for slot, ((r, state), gamma, matched) in enumerate(zip(running, gammas, matches)):
+        committed = 0
+        for slot, (r, state, gamma, matched) in enumerate(zip(requests, states, gammas, matches)):
             count = min(min(matched, gamma) + 1, r.max_tokens - len(r.tokens))
-            r.tokens.extend(outputs[r.index][len(r.tokens) : len(r.tokens) + count])
+            tokens = outputs[r.index][len(r.tokens) : len(r.tokens) + count]
+            r.tokens.extend(tokens)
+            state["context"][state["length"] : state["length"] + count] = torch.tensor(tokens, dtype=torch.int64)
+            state["length"] += count
             committed += count
             final = len(r.tokens) >= r.max_tokens
             Scheduler._score_proposals(holder, r, state, final)
-            if final:
-                done.append(slot)
+            if final:  # the client sends its next request at once (closed loop)
+                running[slot] = new_request(slot)
         policy.observe_step(batch, width + 1, ms, committed)
         emitted += committed
         widths.append(width)
-        for slot in done:  # the client sends its next request at once (closed loop)
-            running.pop(slot)
-            submit(slot)
-            running.insert(slot, running.pop())
     return {"throughput_tok_s": emitted / clock * 1e3, "mean_width": statistics.fmean(widths), "steps": len(widths)}
 
 

@@ -57,7 +57,7 @@ class AcceptanceStats:
         if counted == 0:
             self.accepted *= self.decay
             self.tested *= self.decay
-        self.accepted[counted : max(counted, min(accepted, decided))] += 1.0
+        self.accepted[counted : min(accepted, decided)] += 1.0  # empty when position counted + 1 was rejected
         self.tested[counted:decided] += 1.0
 
     def observe_first(self, accept_probability: float) -> None:

@@ -669,9 +669,9 @@ class Scheduler:
         Position by position, not once resolved: a proposal that fails resolves at its mismatch, one that holds
         only once the output covers it (up to 8 tokens, 2-4 steps later), so counting whole proposals at
         resolution put the recent failures in a request's estimate before the successes made with them. Measured
-        (Gemma-3-270M, bench prompts, concurrency 4, adaptive, resolution counting): position 1 estimated 0.866
-        on average against 0.901 accepted, and where the policy chose width 1, width 2's accepted drafts
-        predicted 1.17 per row against 1.33 (docs/BENCHMARKS.md, Serving, diag 17)."""
+        (bench/bench_acceptance.py, Gemma-3-270M, bench prompts, concurrency 4, adaptive, resolution counting):
+        position 1 estimated 0.856 on average against 0.892 accepted, and where the policy chose width 1, width 3's
+        accepted drafts predicted 1.67 per row against 1.86 (docs/BENCHMARKS.md, Serving, diag 17)."""
         pending = []
         for start, proposal, counted in state["proposals"]:
             known = request.tokens[start : start + len(proposal)]
