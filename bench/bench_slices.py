@@ -18,9 +18,12 @@ keeps learning its traffic and its costs (its cost model observes only its own s
 
 Per lane and C: throughput = tokens committed in its slices / their seconds (pooled over rounds), with a 95%
 bootstrap interval over rounds of adaptive / the lane with the best pooled throughput; the per-round paired
-ratios (slices of one round ran within seconds of each other); ITL p50 / p95 from the intervals between
-consecutive decode steps in a slice (every running request commits >= 1 token per decode step, so that interval
-is each running request's inter-token latency; the first step of a slice is left out). TTFT is not reported here:
+ratios (slices of one round ran within seconds of each other); ITL p50 / p95 in two conventions (see
+inter_token_latencies): per chunk, as vLLM's benchmark counts it (the interval between a request's consecutive
+steps, one sample per request and step: every running request commits >= 1 token per decode step), and per token,
+as SGLang's does (that interval split evenly over the tokens it delivered). With speculation the two differ: a wider
+step is a longer chunk interval but can be a shorter wait per token. A request's first token is its TTFT and is in
+neither (before this version the per-chunk figure counted it; the first step of a slice is left out). TTFT is not reported here:
 a request's prefill may straddle slices of two lanes (bench_serving.py reports TTFT). Greedy, n-gram drafts,
 the bench_serving.py "repetitive" prompts, EOS ignored, each request's max_tokens uniform in 32..96 (mean 64,
 `--length-spread 0.5`): with one length for all, the C requests of a closed loop without speculation finish in
@@ -88,13 +91,47 @@ def run_slice(scheduler: Scheduler, seconds: float) -> dict:
         scheduler.step()
     wall_s = time.perf_counter() - start
     trace = scheduler.trace
-    ends = [start] + [t["end_s"] for t in trace]
-    intervals = [1e3 * (b - a) for a, b in zip(ends[1:], ends[2:])]  # ms; the first step of the slice left out
+    chunk, token = inter_token_latencies(trace)
     return {
         "tokens": sum(t["emitted"] for t in trace), "wall_s": wall_s, "steps": len(trace),
-        "intervals_ms": intervals, "widths": [t["width"] for t in trace],
-        "trace": [{k: t[k] for k in ("batch", "width", "drafted", "emitted", "step_ms", "forward_ms", "prefill_tokens", "predicted_tokens", "predicted_ms", "predicted_goodputs")} for t in trace],
+        "itl_ms": chunk, "itl_token_ms": token, "widths": [t["width"] for t in trace],
+        "trace": [{k: t[k] for k in TRACE_KEYS} for t in trace],
     }
+
+
+TRACE_KEYS = ("end_s", "batch", "width", "drafted", "emitted", "rows_emitted", "rows_before", "step_ms", "forward_ms",
+              "prefill_tokens", "predicted_tokens", "predicted_ms", "predicted_goodputs")
+
+
+def inter_token_latencies(trace: list[dict]) -> tuple[list[float], list[float]]:
+    """A slice's inter-token latencies (ms) in the two conventions of the serving benchmarks, from its decode
+    steps (the first step of the slice left out: its interval began under the previous lane):
+    - per chunk (vLLM's `vllm bench serve` ITL): one sample per request and step, the interval since that request's
+      previous step; with speculation a step hands a request 1..gamma+1 tokens at once, so this is the step time;
+    - per token (SGLang's bench_serving ITL): that interval divided evenly over the tokens the request got in the
+      step, one sample per token; the time a streamed token waits on average, lower when a step lands more tokens.
+    A request's first token (a row with no tokens before the step) is its TTFT, not an ITL, and is left out."""
+    chunk: list[float] = []
+    token: list[float] = []
+    for previous, step in zip(trace, trace[1:]):
+        interval = 1e3 * (step["end_s"] - previous["end_s"])
+        for emitted, before in zip(step["rows_emitted"], step["rows_before"]):
+            if before > 0 and emitted > 0:
+                chunk.append(interval)
+                token.extend([interval / emitted] * emitted)
+    return chunk, token
+
+
+def slice_latencies(piece: dict) -> tuple[list[float], list[float]]:
+    """A slice's (per chunk, per token) ITL samples: kept from the run, or recomputed from its kept trace (a
+    --keep-steps results.json read back); none where neither is there (results.json without --keep-steps, or
+    written before the trace kept end_s and the per-row counts)."""
+    if "itl_ms" in piece:
+        return piece["itl_ms"], piece["itl_token_ms"]
+    trace = piece.get("trace") or []
+    if trace and all(k in trace[0] for k in ("end_s", "rows_emitted", "rows_before")):
+        return inter_token_latencies(trace)
+    return [], []
 
 
 def summarize(slices: list[dict], lanes: list[str], rounds: list[int], seed: int = 0) -> dict:
@@ -103,13 +140,18 @@ def summarize(slices: list[dict], lanes: list[str], rounds: list[int], seed: int
     for lane in lanes:
         mine = [s for s in slices if s["lane"] == lane and s["round"] in rounds]
         tokens, wall = sum(s["tokens"] for s in mine), sum(s["wall_s"] for s in mine)
-        intervals = [x for s in mine for x in s.get("intervals_ms", [])]  # not kept in results.json (see pool)
+        latencies = [slice_latencies(s) for s in mine]
+        chunk = [x for c, _ in latencies for x in c]
+        token = [x for _, t in latencies for x in t]
         widths = [w for s in mine for w in s.get("widths", [])]
         out["lanes"][lane] = {
             "throughput_tok_s": tokens / wall if wall else None, "tokens": tokens, "seconds": wall,
             "steps": sum(s["steps"] for s in mine),
-            "itl_p50_ms": float(np.percentile(intervals, 50)) if intervals else None,
-            "itl_p95_ms": float(np.percentile(intervals, 95)) if intervals else None,
+            "itl_p50_ms": float(np.percentile(chunk, 50)) if chunk else None,
+            "itl_p95_ms": float(np.percentile(chunk, 95)) if chunk else None,
+            "itl_token_p50_ms": float(np.percentile(token, 50)) if token else None,
+            "itl_token_p95_ms": float(np.percentile(token, 95)) if token else None,
+            "itl_token_mean_ms": statistics.fmean(token) if token else None,
             "mean_width": statistics.fmean(widths) if widths else None,
         }
     if "adaptive" not in lanes or len(lanes) < 2:
@@ -145,7 +187,7 @@ def summarize(slices: list[dict], lanes: list[str], rounds: list[int], seed: int
 def pool(records: list[dict]) -> list[tuple[int, dict]]:
     """Sweeps of the same code pooled: per concurrency that every record has, their measured slices together
     (rounds renumbered, so a bootstrap resamples the rounds of all of them), summarized again. Throughput and
-    the ratio only: results.json does not keep the step intervals, so ITL comes from each run's own table."""
+    the ratio, and ITL where the records kept their traces (--keep-steps, this version's trace fields)."""
     by_c: dict[int, list[dict]] = {}
     counts: dict[int, int] = {}
     lanes: dict[int, list[str]] = {}
@@ -182,6 +224,12 @@ def main() -> None:
     if args.pool:
         for concurrency, summary in pool([json.loads(Path(f).read_text()) for f in args.pool.split(",")]):
             print(line(concurrency, summary))
+            itl = [
+                f"{lane} {ms(v['itl_p50_ms'])}/{ms(v['itl_p95_ms'])} chunk, {ms(v['itl_token_p50_ms'], 1)}/{ms(v['itl_token_p95_ms'], 1)}/{ms(v['itl_token_mean_ms'], 1)} token"
+                for lane, v in summary["lanes"].items() if v["itl_p50_ms"] is not None
+            ]
+            if itl:
+                print(f"  ITL p50/p95 ms per chunk, p50/p95/mean per token (records with traces): {'; '.join(itl)}")
         return
     if args.steps:
         print("\n".join(step_table(json.loads(args.steps.read_text()))))
@@ -233,7 +281,7 @@ def main() -> None:
                 "concurrency": concurrency, "summary": summary, "requests_finished": loop.finished,
                 "adaptive": policy.describe() if policy is not None else None,
                 "slices": [
-                    {k: v for k, v in s.items() if k not in ("intervals_ms", "widths") and (k != "trace" or args.keep_steps)}
+                    {k: v for k, v in s.items() if k not in ("itl_ms", "itl_token_ms", "widths") and (k != "trace" or args.keep_steps)}
                     for s in slices
                 ],
             })
@@ -327,9 +375,16 @@ def step_table(record: dict) -> list[str]:
     return rows
 
 
+def ms(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def table(record: dict) -> list[str]:
     """Markdown: one row per (C, lane), then the verdict per C."""
-    rows = ["| C | lane | tok/s | x off | ITL p50 / p95 ms | mean width | steps |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| C | lane | tok/s | x off | ITL per chunk p50 / p95 ms | ITL per token p50 / p95 / mean ms | mean width | steps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     verdicts = []
     for point in record["points"]:
         lanes = point["summary"]["lanes"]
@@ -337,8 +392,9 @@ def table(record: dict) -> list[str]:
         for lane, v in lanes.items():
             x_off = f"{v['throughput_tok_s'] / off:.2f}" if off else "-"
             rows.append(
-                f"| {point['concurrency']} | {lane} | {v['throughput_tok_s']:.1f} | {x_off} | {v['itl_p50_ms']:.0f} / "
-                f"{v['itl_p95_ms']:.0f} | {v['mean_width']:.2f} | {v['steps']} |"
+                f"| {point['concurrency']} | {lane} | {v['throughput_tok_s']:.1f} | {x_off} | {ms(v['itl_p50_ms'])} / "
+                f"{ms(v['itl_p95_ms'])} | {ms(v.get('itl_token_p50_ms'), 1)} / {ms(v.get('itl_token_p95_ms'), 1)} / "
+                f"{ms(v.get('itl_token_mean_ms'), 1)} | {v['mean_width']:.2f} | {v['steps']} |"
             )
         if "ratio" in point["summary"]:
             verdicts.append("- " + line(point["concurrency"], point["summary"]))

@@ -138,7 +138,7 @@ def test_serving_by_width_groups_the_largest_batch():
 
 
 def slice_row(lane: str, round_: int, tokens: int, wall_s: float) -> dict:
-    return {"lane": lane, "round": round_, "tokens": tokens, "wall_s": wall_s, "steps": 10, "intervals_ms": [40.0, 60.0], "widths": [2, 4]}
+    return {"lane": lane, "round": round_, "tokens": tokens, "wall_s": wall_s, "steps": 10, "itl_ms": [40.0, 60.0], "itl_token_ms": [20.0, 20.0, 60.0], "widths": [2, 4]}
 
 
 def test_slices_summary_pools_rounds_and_pairs_them():
@@ -152,6 +152,7 @@ def test_slices_summary_pools_rounds_and_pairs_them():
     lanes = summary["lanes"]
     assert lanes["off"]["throughput_tok_s"] == pytest.approx(310 / 9) and lanes["adaptive"]["tokens"] == 885
     assert lanes["off"]["itl_p50_ms"] == 50.0 and lanes["off"]["mean_width"] == 3.0
+    assert lanes["off"]["itl_token_p50_ms"] == 20.0 and lanes["off"]["itl_token_mean_ms"] == pytest.approx(100 / 3)
     assert summary["best_other"] == "fixed g=4" and summary["ratio"] == pytest.approx(885 / 900)
     assert summary["paired_ratios"] == pytest.approx([290 / 300, 340 / 330, 255 / 270])
     low, high = summary["ci95"]
@@ -165,7 +166,7 @@ def test_slices_pool_merges_sweeps_round_by_round():
     rounds renumbered so that the second sweep's rounds are new rounds, warm-up rounds left out, a concurrency
     only one sweep has left out; the pooled ratio is the tokens / seconds ratio over both."""
     def point(c, rows):
-        slices = [{k: v for k, v in slice_row(*row).items() if k not in ("intervals_ms", "widths")} for row in rows]
+        slices = [{k: v for k, v in slice_row(*row).items() if k not in ("itl_ms", "itl_token_ms", "widths")} for row in rows]
         return {"concurrency": c, "summary": {"lanes": {"fixed g=2": {}, "adaptive": {}}}, "slices": slices}
     first = {"points": [
         point(4, [("fixed g=2", -1, 1, 1.0), ("adaptive", -1, 900, 1.0), ("fixed g=2", 0, 100, 1.0), ("adaptive", 0, 90, 1.0),
@@ -179,6 +180,27 @@ def test_slices_pool_merges_sweeps_round_by_round():
     assert summary["ratio"] == pytest.approx((445 / 5) / (500 / 5)) and len(summary["paired_ratios"]) == 4
     assert summary["paired_ratios"] == pytest.approx([0.9, 1.0, 0.8, 0.95]) and not summary["met"]
     assert summary["lanes"]["adaptive"]["itl_p50_ms"] is None
+    # a record written with --keep-steps keeps each step's end time and per-row counts: pooled ITL from its trace
+    trace = [{"end_s": 1.0, "rows_emitted": [1], "rows_before": [3]}, {"end_s": 1.05, "rows_emitted": [5], "rows_before": [4]}]
+    kept = {"points": [point(4, [("fixed g=2", 0, 100, 1.0), ("adaptive", 0, 100, 1.0)])]}
+    kept["points"][0]["slices"][1]["trace"] = trace
+    lanes = load("bench_slices").pool([kept])[0][1]["lanes"]
+    assert lanes["adaptive"]["itl_p50_ms"] == pytest.approx(50.0) and lanes["adaptive"]["itl_token_p50_ms"] == pytest.approx(10.0)
+    assert lanes["fixed g=2"]["itl_p50_ms"] is None
+
+
+def test_slices_inter_token_latencies_per_chunk_and_per_token():
+    """bench_slices.inter_token_latencies on a trace whose answers are known: one chunk sample per request and step
+    (the interval since the previous step), that interval split over the request's tokens for the per-token
+    samples, the slice's first step left out, and a request's first token (its TTFT) in neither."""
+    trace = [
+        {"end_s": 10.000, "rows_emitted": [3, 1], "rows_before": [5, 2]},  # first step of the slice: left out
+        {"end_s": 10.040, "rows_emitted": [4, 1], "rows_before": [8, 3]},  # 40 ms: 4 tokens and 1 token
+        {"end_s": 10.100, "rows_emitted": [2, 1, 3], "rows_before": [12, 4, 0]},  # 60 ms; the third row's first tokens
+    ]
+    chunk, token = load("bench_slices").inter_token_latencies(trace)
+    assert chunk == pytest.approx([40.0, 40.0, 60.0, 60.0])
+    assert token == pytest.approx([10.0] * 4 + [40.0] + [30.0] * 2 + [60.0])  # no 20 ms x 3 from the new row
 
 
 def test_slices_closed_loop_on_a_real_scheduler(tiny_model_dir):
@@ -199,7 +221,11 @@ def test_slices_closed_loop_on_a_real_scheduler(tiny_model_dir):
     assert set(first["widths"]) == {0} and max(second["widths"]) > 0
     assert first["tokens"] >= first["steps"]  # off: every decode step commits one token per running request
     assert second["tokens"] == sum(t["emitted"] for t in scheduler.trace)
-    assert len(second["intervals_ms"]) == second["steps"] - 1
+    steps = scheduler.trace
+    continuing = [(e, b) for t in steps[1:] for e, b in zip(t["rows_emitted"], t["rows_before"]) if b > 0 and e > 0]
+    assert len(second["itl_ms"]) == len(continuing) > 0 and len(second["itl_token_ms"]) == sum(e for e, _ in continuing)
+    assert sum(second["itl_token_ms"]) == pytest.approx(sum(second["itl_ms"]))  # each chunk split over its tokens
+    assert all(sum(t["rows_emitted"]) == t["emitted"] and len(t["rows_before"]) == t["batch"] for t in steps)
     # varied lengths (--length-spread): every request's max_tokens within max_tokens * (1 +- spread), not all alike
     spread = bench.ClosedLoop(Scheduler(target, "ngram", OffPolicy(), num_slots=4, max_seq_len=64), prompts, 4, max_tokens=10, spread=0.5)
     lengths = [r.max_tokens for r in spread.scheduler.waiting]

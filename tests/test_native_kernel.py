@@ -99,8 +99,8 @@ def test_the_thread_split_covers_every_column_once(threads):
 @needs_kernel
 def test_linear_routes_few_rows_to_the_kernel(monkeypatch):
     """linear() picks the kernel for float32 activations times 1..20 rows of a float32 LM head (>= HEAD_ELEMENTS),
-    1..64 of a bf16 head, 1..64 of a layer's weight (either dtype); oneDNN, the bf16 upcast or F.linear otherwise
-    (a prefill, a wide batch)."""
+    1..160 of a bf16 head, 1..64 of a float32 layer weight, 1..160 of a bf16 one; oneDNN, the bf16 upcast or
+    F.linear otherwise (a prefill, a wide batch)."""
     calls = []
     real = native.skinny_product
     monkeypatch.setattr(native, "skinny_product", lambda x, w: calls.append((tuple(x.shape), w.shape[0])) or real(x, w))
@@ -116,9 +116,11 @@ def test_linear_routes_few_rows_to_the_kernel(monkeypatch):
         transformer.linear(torch.randn(65, 64), weight[:1024])  # 65 rows: oneDNN
         transformer.linear(torch.randn(2, 64).double(), weight[:1024].double())  # float64: not the kernel
         half = weight.bfloat16()
-        wide = transformer.linear(torch.randn(64, 64, generator=generator), half)  # 64 rows of a bf16 head: the kernel
-        upcast = transformer.linear(x65 := torch.randn(65, 64, generator=generator), half)  # 65 rows: the chunked upcast
-    assert calls == [((6, 64), 4096), ((64, 64), 1024), ((64, 64), 4096)]
+        wide = transformer.linear(torch.randn(160, 64, generator=generator), half)  # 160 rows of a bf16 head: the kernel
+        transformer.linear(torch.randn(160, 64), half[:1024])  # 160 rows of a bf16 layer weight: the kernel
+        upcast = transformer.linear(x65 := torch.randn(161, 64, generator=generator), half)  # 161 rows: the chunked upcast
+        transformer.linear(torch.randn(161, 64), half[:1024])  # and for a layer weight
+    assert calls == [((6, 64), 4096), ((64, 64), 1024), ((160, 64), 4096), ((160, 64), 1024)]
     assert out.shape == (2, 3, 4096) and torch.allclose(out, torch.nn.functional.linear(x, weight, bias), atol=1e-4)
     assert wide.dtype == upcast.dtype == torch.float32
     assert torch.allclose(upcast, x65 @ half.float().t(), atol=1e-4)
@@ -274,6 +276,41 @@ def test_a_verification_pass_is_bit_identical_to_single_steps(tiny_model_dir, mo
         model(prompt, torch.arange(12)[None], alone, torch.tensor([0]))
         single = torch.cat([model(drafts[:, i : i + 1], torch.tensor([[12 + i]]), alone, torch.tensor([0]))[0] for i in range(5)])
     assert torch.equal(together, single)
+
+
+@needs_kernel
+def test_a_wide_bf16_verification_pass_is_bit_identical_to_single_steps(tiny_model_dir, monkeypatch):
+    """bf16 weights: a verification forward of 16 requests x 5 tokens (80 rows, past the float32 limit of 64) still
+    runs on the C path, so each request's logits are bit-identical to scoring its tokens one call at a time alone.
+    Negative control: with the bf16 limit put back at 64, the same forward takes the torch path and differs."""
+    from specgate.models import load_model
+
+    model = load_model(str(tiny_model_dir("gemma3")), dtype=torch.bfloat16).model
+    batch, width, context = 16, 5, 7
+    generator = torch.Generator().manual_seed(5)
+    prompts = torch.randint(4, 500, (batch, context), generator=generator)  # [B, L]
+    drafts = torch.randint(4, 500, (batch, width), generator=generator)  # [B, T]
+    positions = torch.arange(context, context + width)[None].expand(batch, -1)  # [B, T]
+
+    def together() -> torch.Tensor:
+        with torch.inference_mode():
+            cache = model.new_cache(batch, 32)
+            for row in range(batch):  # each prompt alone, as the single steps below see it
+                model(prompts[row : row + 1], torch.arange(context)[None], cache, torch.tensor([row]))
+            return model(drafts, positions, cache, torch.arange(batch))  # [B, T, V]
+
+    with torch.inference_mode():
+        single = []
+        for row in range(batch):
+            alone = model.new_cache(1, 32)
+            model(prompts[row : row + 1], torch.arange(context)[None], alone, torch.tensor([0]))
+            single.append(torch.cat([model(drafts[row : row + 1, i : i + 1], positions[:1, i : i + 1], alone, torch.tensor([0]))[0] for i in range(width)]))
+    single = torch.stack(single)  # [B, T, V]
+    assert native.layer_max_rows(torch.bfloat16) >= batch * width > native.layer_max_rows(torch.float32)
+    assert torch.equal(together(), single)
+    monkeypatch.setattr(native, "BF16_LAYER_MAX_ROWS", 64)
+    monkeypatch.setattr(native, "BF16_HEAD_MAX_ROWS", 64)
+    assert not torch.equal(together(), single)
 
 
 @needs_kernel

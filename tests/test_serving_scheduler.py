@@ -324,6 +324,9 @@ def test_trace_records_every_decode_step(tiny_target):
     assert all(0 <= t["width"] <= 3 and t["drafted"] <= 3 * t["batch"] for t in trace) and any(t["width"] > 0 for t in trace)
     assert all(t["step_ms"] >= t["forward_ms"] > 0 and t["draft_ms"] == 0.0 for t in trace)
     assert [t["end_s"] for t in trace] == sorted(t["end_s"] for t in trace)
+    assert all(sum(t["rows_emitted"]) == t["emitted"] and len(t["rows_emitted"]) == len(t["rows_before"]) == t["batch"] for t in trace)
+    firsts = [b for t in trace for b in t["rows_before"] if b == 0]
+    assert len(firsts) == len(requests)  # each request's first decode step, and only that, had no tokens before it
     assert all(t["predicted_tokens"] is None and t["predicted_goodputs"] is None for t in trace)  # fixed: no model
 
 

@@ -52,8 +52,13 @@ from torch import Tensor
 from specgate.models.dtypes import cpu_flags
 
 SKINNY_MAX_ROWS = 20  # a float32 LM head (>= HEAD_ELEMENTS): faster than oneDNN at every row count up to 20 (83 vs 102 ms)
-BF16_HEAD_MAX_ROWS = 64  # a bf16 head: the alternative, a chunked upcast + float32 GEMM, costs 1.1-2x the kernel up to 96 rows
-LAYER_MAX_ROWS = 64  # a layer's weight: faster than oneDNN up to 64 rows (Gemma-3-270M's gate/up: 2.9 vs 3.3 ms)
+LAYER_MAX_ROWS = 64  # a float32 layer weight: faster than oneDNN up to 64 rows (Gemma-3-270M's gate/up: 2.9 vs 3.3 ms)
+# bf16 weights: the alternative past the limit is a chunked upcast to float32 before each GEMM, on every layer. Up
+# to 160 rows covers every verification shape of a 16-request batch at gamma <= 8 (16 x 9 = 144 rows) and keeps
+# them batch-invariant; at 64 such a forward doubled for 25% more rows (bench/bench_rows.py, docs/BENCHMARKS.md,
+# Performance, "Wide verification forwards").
+BF16_LAYER_MAX_ROWS = 160
+BF16_HEAD_MAX_ROWS = 160
 HEAD_ELEMENTS = 1 << 24  # weights of >= 16M elements are LM heads here
 ATTENTION_THREAD_WORK = 1 << 18  # multiply-adds (rows x heads x D x keys) from which attend uses every thread
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)  # what the products read; x and the output are float32
@@ -675,11 +680,17 @@ def available() -> bool:
 
 def max_rows(weight: Tensor) -> int:
     """The most rows of x skinny_linear serves for this weight: SKINNY_MAX_ROWS for a float32 LM head,
-    BF16_HEAD_MAX_ROWS for a bf16 one, LAYER_MAX_ROWS for a layer's weight (beyond them oneDNN's blocked GEMM, or
-    the chunked bf16 upcast, is faster: a prefill)."""
+    BF16_HEAD_MAX_ROWS for a bf16 one, layer_max_rows(dtype) for a layer's weight (beyond them oneDNN's blocked
+    GEMM, or the chunked bf16 upcast, is faster: a prefill)."""
     if weight.numel() >= HEAD_ELEMENTS:
         return BF16_HEAD_MAX_ROWS if weight.dtype == torch.bfloat16 else SKINNY_MAX_ROWS
-    return LAYER_MAX_ROWS
+    return layer_max_rows(weight.dtype)
+
+
+def layer_max_rows(weight_dtype: torch.dtype) -> int:
+    """The most rows a forward runs through the C paths (the stack, or the per-layer kernels) with weights of this
+    dtype: BF16_LAYER_MAX_ROWS for bf16, LAYER_MAX_ROWS otherwise."""
+    return BF16_LAYER_MAX_ROWS if weight_dtype == torch.bfloat16 else LAYER_MAX_ROWS
 
 
 def applies(x: Tensor, weight: Tensor) -> bool:
@@ -781,11 +792,12 @@ def residual_norm(x: Tensor, a: Tensor, scale: Tensor, next_scale: Tensor | None
     return out
 
 
-def attention_applies(rows: int, head_dim: int, keys: Tensor) -> bool:
-    """Whether attn_prep / attend serve this forward: 1..LAYER_MAX_ROWS rows (decode and verification; a prefill
-    keeps torch's flash attention), head_dim a multiple of 16 up to 1024, a contiguous float32 CPU cache."""
+def attention_applies(rows: int, head_dim: int, keys: Tensor, limit: int | None = None) -> bool:
+    """Whether attn_prep / attend serve this forward: 1..limit rows (default LAYER_MAX_ROWS; the model passes
+    layer_max_rows(its weights' dtype)) (decode and verification; a longer prefill keeps torch's flash attention),
+    head_dim a multiple of 16 up to 1024, a contiguous float32 CPU cache."""
     return (
-        1 <= rows <= LAYER_MAX_ROWS
+        1 <= rows <= (LAYER_MAX_ROWS if limit is None else limit)
         and head_dim % 16 == 0
         and head_dim <= 1024
         and keys.dtype == torch.float32

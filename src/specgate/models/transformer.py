@@ -697,8 +697,9 @@ class CausalLM(nn.Module):
             and _inference(self.embed_tokens.weight)
         )
         # the whole stack in one C call runs only the real tokens (padding costs nothing), so its limit counts those
-        stack = self.native_stack() if c_paths and native.attention_applies(real_rows, self.args.head_dim, cache.keys[0]) else None
-        native_path = stack is None and c_paths and native.attention_applies(rows, self.args.head_dim, cache.keys[0])
+        limit = native.layer_max_rows(self.dtype)  # bf16 weights: up to 160 rows (every 16-request verification)
+        stack = self.native_stack() if c_paths and native.attention_applies(real_rows, self.args.head_dim, cache.keys[0], limit) else None
+        native_path = stack is None and c_paths and native.attention_applies(rows, self.args.head_dim, cache.keys[0], limit)
         batch = Batch(self, cache, slots, positions, kv_length, slot_list[0] if contiguous else None, native_path)
 
         x = self.embed_tokens(input_ids).to(compute_dtype)  # [B, T, H]; bf16 rows widen exactly

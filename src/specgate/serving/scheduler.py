@@ -592,13 +592,16 @@ class Scheduler:
         now = time.perf_counter()
         step_stats = {"num_drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_position": [0] * width}
         committed = 0
+        rows_emitted, rows_before = [], []  # per row: tokens committed now, tokens it had before (0: its first)
         for row, request in enumerate(running):
             accepted = int(result.num_accepted[row])
             emitted = result.output_tokens[row, : accepted + 1].tolist()
             self._record(request, gammas[row], num_drafts[row], accepted, step_stats)
             before = len(request.tokens)
             self._commit(request, states[row], emitted, now)
-            committed += len(request.tokens) - before
+            rows_emitted.append(len(request.tokens) - before)
+            rows_before.append(before)
+            committed += rows_emitted[-1]
         if self.metrics is not None:
             self.metrics.on_step(step_stats, lossless=bool(result.lossless))
         # the adaptive cost model learns the whole step but its draft passes (priced on their own): the lookups,
@@ -613,7 +616,8 @@ class Scheduler:
                 "predicted_ms": None if predicted is None else predicted[1],
                 "predicted_goodputs": None if predicted is None else predicted[2],
                 "end_s": now, "batch": batch, "width": width, "drafted": sum(num_drafts),
-                "emitted": committed, "step_ms": 1e3 * (time.perf_counter() - step_start),
+                "emitted": committed, "rows_emitted": rows_emitted, "rows_before": rows_before,
+                "step_ms": 1e3 * (time.perf_counter() - step_start),
                 "forward_ms": 1e3 * forward_s, "draft_ms": 1e3 * draft_s, "prefill_tokens": self.last_prefill_tokens,
             })
 
