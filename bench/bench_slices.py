@@ -83,6 +83,10 @@ class ClosedLoop:
         self.submit(client)
 
 
+TRACE_KEYS = ("end_s", "batch", "width", "drafted", "emitted", "rows_emitted", "rows_before", "step_ms", "forward_ms",
+              "prefill_tokens", "predicted_tokens", "predicted_ms", "predicted_goodputs")
+
+
 def run_slice(scheduler: Scheduler, seconds: float) -> dict:
     """Step the scheduler for `seconds`; the slice's committed tokens, wall time and step intervals."""
     scheduler.trace = []
@@ -97,10 +101,6 @@ def run_slice(scheduler: Scheduler, seconds: float) -> dict:
         "itl_ms": chunk, "itl_token_ms": token, "widths": [t["width"] for t in trace],
         "trace": [{k: t[k] for k in TRACE_KEYS} for t in trace],
     }
-
-
-TRACE_KEYS = ("end_s", "batch", "width", "drafted", "emitted", "rows_emitted", "rows_before", "step_ms", "forward_ms",
-              "prefill_tokens", "predicted_tokens", "predicted_ms", "predicted_goodputs")
 
 
 def inter_token_latencies(trace: list[dict]) -> tuple[list[float], list[float]]:

@@ -792,12 +792,12 @@ def residual_norm(x: Tensor, a: Tensor, scale: Tensor, next_scale: Tensor | None
     return out
 
 
-def attention_applies(rows: int, head_dim: int, keys: Tensor, limit: int | None = None) -> bool:
-    """Whether attn_prep / attend serve this forward: 1..limit rows (default LAYER_MAX_ROWS; the model passes
-    layer_max_rows(its weights' dtype)) (decode and verification; a longer prefill keeps torch's flash attention),
-    head_dim a multiple of 16 up to 1024, a contiguous float32 CPU cache."""
+def attention_applies(rows: int, head_dim: int, keys: Tensor, limit: int) -> bool:
+    """Whether attn_prep / attend serve this forward: 1..limit rows (layer_max_rows of the weights' dtype: decode
+    and verification; a longer prefill keeps torch's flash attention), head_dim a multiple of 16 up to 1024, a
+    contiguous float32 CPU cache."""
     return (
-        1 <= rows <= (LAYER_MAX_ROWS if limit is None else limit)
+        1 <= rows <= limit
         and head_dim % 16 == 0
         and head_dim <= 1024
         and keys.dtype == torch.float32
