@@ -169,7 +169,7 @@ def replay(policy: SpeculationPolicy, data: dict, table: dict, concurrency: int,
             Scheduler._score_proposals(holder, r, state, final)
             if final:  # the client sends its next request at once (closed loop)
                 running[slot] = new_request(slot)
-        policy.observe_step(batch, width + 1, ms, committed)
+        policy.observe_step(batch, width + 1, ms, committed, drafted=sum(gammas))
         emitted += committed
         widths.append(width)
     return {"throughput_tok_s": emitted / clock * 1e3, "mean_width": statistics.fmean(widths), "steps": len(widths)}

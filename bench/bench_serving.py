@@ -157,7 +157,7 @@ def step_timings(scheduler: Scheduler) -> dict:
     cost_model = getattr(scheduler.policy, "cost_model", None)
     if cost_model is not None:
         out["step_measured_over_predicted_p50"] = statistics.median(
-            (t["step_ms"] - t["draft_ms"]) / cost_model.target_step_ms(t["batch"], t["width"] + 1) for t in trace
+            (t["step_ms"] - t["draft_ms"]) / cost_model.target_step_ms(t["batch"], t["width"] + 1, t["batch"] + t["drafted"]) for t in trace
         )
     return out
 

@@ -387,6 +387,9 @@ def test_argmax_and_amax_equal_torchs(shape, threads):
         for x in cases:
             assert torch.equal(native.argmax(x), x.argmax(-1)), x
             torch.testing.assert_close(native.amax(x), x.amax(-1), rtol=0, atol=0, equal_nan=True)
+            peak, index = native.max_argmax(x)  # the scheduler's one pass: both results from one read
+            assert torch.equal(index, x.argmax(-1)), x
+            torch.testing.assert_close(peak, x.amax(-1), rtol=0, atol=0, equal_nan=True)
     finally:
         torch.set_num_threads(previous)
 

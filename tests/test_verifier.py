@@ -271,6 +271,12 @@ def test_greedy_verify_equals_target_argmax_chain():
     assert_same(out, via_verify)
     one_hot = logits_to_probs(target_logits, SamplingParams(temperature=0.0))  # the rejection sampler agrees
     assert_same(out, rejection_sample(draft_tokens, num_draft_tokens, None, one_hot))
+    # the scheduler hands over the argmax of its finiteness pass: the same output; a wrong one is refused
+    assert_same(out, greedy_verify(draft_tokens, num_draft_tokens, target_logits, target_argmax=argmax))
+    shifted = greedy_verify(draft_tokens, num_draft_tokens, target_logits, target_argmax=(argmax + 1) % vocab)
+    assert not torch.equal(shifted.output_tokens, out.output_tokens)  # negative control: the argmax given is used
+    with pytest.raises(ValueError, match=r"target_argmax has shape \[12, 4\]"):
+        greedy_verify(draft_tokens, num_draft_tokens, target_logits, target_argmax=argmax[:, :gamma])
 
 
 def test_verify_processes_logits_then_samples():

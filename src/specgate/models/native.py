@@ -17,8 +17,9 @@ Why: a decode step here is ~0.5-1 GB of weights read by matrix-vector products p
 - The whole stack (`decode_layers`, DecodeStack): every layer's products, attention, norms and MLP activation in
   one C call and one OpenMP parallel region per forward, so the ~10 Python-level calls per layer, their checks,
   allocations and thread wake-ups go (on Gemma-3-270M ~4-6 ms of a ~31 ms bf16 step before it).
-- The verifier's argmax and the scheduler's finiteness pass (`argmax`, `amax`): torch's run on one core at
-  ~3 GB/s over a 262,144-logit row; one multi-threaded AVX2 pass gives the same results ~4x faster.
+- The verifier's argmax and the scheduler's finiteness pass (`argmax`, `amax`, both from one pass: `max_argmax`):
+  torch's run on one core at ~3 GB/s over a 262,144-logit row; one multi-threaded AVX2 pass gives the same
+  results ~4x faster.
 
 Every output element is computed by the same sequence of operations whichever R, row block or thread computes
 it: a token's result does not depend on what else is in the call (batch-invariant), so a verification pass gives
@@ -1005,9 +1006,16 @@ def argmax(x: Tensor) -> Tensor:
 def amax(x: Tensor) -> Tensor:
     """torch.amax(x, -1) (NaN where a row has a NaN, +inf where it has +inf: what a finiteness check needs) in the
     same one pass as argmax; torch.amax elsewhere."""
+    return max_argmax(x)[0]
+
+
+def max_argmax(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(torch.amax(x, -1), torch.argmax(x, -1)) from ONE pass over x: the scheduler's finiteness check and the
+    greedy verification read the same [B, G+1, V] logits (16 requests x 1 token of Gemma's 262,144: 17 MB, ~1.7 ms
+    a pass on this VM), so reading them once saves a pass per step. torch's two reductions elsewhere."""
     if not _argmax_applies(x):
-        return x.amax(-1)
+        return x.amax(-1), x.argmax(-1)
     index = torch.empty(x.shape[:-1], dtype=torch.int64)
     out = torch.empty(x.shape[:-1], dtype=torch.float32)
     _library().argmax_rows(x.data_ptr(), out.numel(), x.shape[-1], index.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    return out
+    return out, index

@@ -540,12 +540,15 @@ def fast_argmax(logits: Tensor) -> Tensor:
 
 
 def greedy_verify(
-    draft_tokens: Tensor, num_draft_tokens: Tensor, target_logits: Tensor, *, validate: bool = True
+    draft_tokens: Tensor, num_draft_tokens: Tensor, target_logits: Tensor, *, validate: bool = True,
+    target_argmax: Tensor | None = None,
 ) -> VerifierOutput:
     """Greedy verification: accept a draft iff it equals argmax of the target at its position.
 
     draft_tokens `# [B, G]`, num_draft_tokens `# [B]`, target_logits (or probs) `# [B, G+1, V]`.
     The emitted tokens are the target's argmax chain, identical to target-only greedy decoding.
+    target_argmax `# [B, G+1]`: target_logits.argmax(-1) where the caller has it already (the scheduler's
+    finiteness pass computes it in the same read of the logits, native.max_argmax); None computes it here.
     """
     if validate:
         if not isinstance(target_logits, Tensor) or target_logits.dim() != 3:
@@ -559,7 +562,15 @@ def greedy_verify(
                 f"{gamma + 1}, V]"
             )
     gamma = draft_tokens.shape[1]
-    target_tokens = fast_argmax(target_logits)  # [B, G+1]
+    if target_argmax is None:
+        target_tokens = fast_argmax(target_logits)  # [B, G+1]
+    elif tuple(target_argmax.shape) != tuple(target_logits.shape[:2]) or target_argmax.dtype != torch.int64:
+        raise ValueError(
+            f"target_argmax has shape {_shape(target_argmax)} and dtype {target_argmax.dtype}; expected int64 "
+            f"{list(target_logits.shape[:2])} (target_logits.argmax(-1)), or None to compute it here"
+        )
+    else:
+        target_tokens = target_argmax
     if validate:  # argmax picks a NaN as the maximum: check the chosen values (free: [B, G+1] gathered)
         chosen = target_logits.gather(-1, target_tokens[..., None]).squeeze(-1)  # [B, G+1]
         _check_finite_where_used(

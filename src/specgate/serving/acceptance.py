@@ -72,6 +72,10 @@ class AcceptanceStats:
         self.accepted *= factor
         self.tested *= factor
 
+    def first_rate(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        """Position 1's rate, profile(prior, weight)[0] (the same operations, the same float) without the rest."""
+        return float((self.accepted[0] + weight * prior) / (self.tested[0] + weight))
+
     def profile(self, prior: np.ndarray | float, weight: float = PRIOR_WEIGHT) -> np.ndarray:
         """Conditional rates per position [K]: (accepted + weight * prior) / (tested + weight). A profile prior
         [K] applies position by position; a single number is the prior of position 1 only, and each later
@@ -84,6 +88,11 @@ class AcceptanceStats:
             return (self.accepted + weight * np.asarray(prior, dtype=float)) / (self.tested + weight)
         rates = np.empty_like(self.accepted)
         previous = float(prior)
-        for k in range(rates.size):
+        # past the deepest position ever tested the chain only repeats (0 + w r) / (0 + w): the loop stops there
+        # (~8 positions, not 64: the scheduler asks for the traffic's profile once per request and step)
+        tested = np.flatnonzero(self.tested)
+        depth = int(tested[-1]) + 1 if tested.size else 0
+        for k in range(depth):
             previous = rates[k] = (self.accepted[k] + weight * previous) / (self.tested[k] + weight)
+        rates[depth:] = previous
         return rates

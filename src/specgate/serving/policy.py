@@ -45,6 +45,7 @@ one live factor on every plan's expected accepted drafts (AdaptivePolicy.token_f
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from abc import ABC, abstractmethod
@@ -92,9 +93,9 @@ class SpeculationPolicy(ABC):
     def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
         """One gamma (>= 0) per running request; the scheduler clips each to caps[i] anyway."""
 
-    def observe_step(self, batch: int, width_tokens: int, target_ms: float, emitted: int | None = None) -> None:
+    def observe_step(self, batch: int, width_tokens: int, target_ms: float, emitted: int | None = None, drafted: int | None = None) -> None:
         """A measured step (`batch` rows, padded to `width_tokens` tokens each; its draft passes excepted; the
-        tokens it committed); most policies ignore it."""
+        tokens it committed; the drafts it verified, None = every row at the full width); most policies ignore it."""
 
     def describe(self) -> dict:
         return {"policy": self.name}
@@ -286,22 +287,31 @@ class CostModel:
         by cell_stale at every step of another shape at the batch; the probes' optimism shrinks with it."""
         return self.cells.get(batch, {}).get(tokens_per_row, (0.0, 0.0, 0.0))[2]
 
-    def target_step_ms(self, batch: int, tokens_per_row: float) -> float:
-        correction = self.factor(batch) + self._deviation(batch, tokens_per_row)
-        return self.calibrated_ms(batch, tokens_per_row) * float(np.exp(correction))
+    def correction(self, batch: int, tokens_per_row: float) -> float:
+        """exp(F_b + d[b, t]): the live factor on the calibrated price of a step padded to t tokens per row."""
+        return math.exp(self.factor(batch) + self._deviation(batch, tokens_per_row))
+
+    def target_step_ms(self, batch: int, tokens_per_row: float, real_tokens: int | None = None) -> float:
+        """One target step of `batch` rows padded to `tokens_per_row` tokens, `real_tokens` of them real (default
+        all): the calibration at the real tokens per row (the C stack and the head run only those), times the live
+        correction of the padded shape (what its logits passes and bookkeeping add, learnt from its steps)."""
+        real_per_row = tokens_per_row if real_tokens is None else real_tokens / batch
+        return self.calibrated_ms(batch, real_per_row) * self.correction(batch, tokens_per_row)
 
     def live_correction(self, batch: int, tokens_per_row: float) -> float:
         """predicted / calibrated at this shape (1.0 = as calibrated)."""
         return self.target_step_ms(batch, tokens_per_row) / self.calibrated_ms(batch, tokens_per_row)
 
-    def observe(self, batch: int, tokens_per_row: float, measured_ms: float) -> None:
-        """One target step measured while serving. Its error r (log measured / predicted) moves F_batch by
+    def observe(self, batch: int, tokens_per_row: float, measured_ms: float, real_tokens: int | None = None) -> None:
+        """One target step measured while serving (padded to tokens_per_row, real_tokens of its batch x
+        tokens_per_row real: default all; its prediction is target_step_ms's). Its error r (log measured / predicted) moves F_batch by
         live_rate * r and the (batch, tokens) cell's deviation by r / (visits + cell_prior); then the cells of this
         batch are re-centred (their visit-weighted mean deviation moves into F_batch), so that F_batch is the
         batch's common factor and a width not run lately is priced with it."""
         if self.live_rate == 0.0 or not measured_ms > 0.0 or not np.isfinite(measured_ms):
             return
-        log_ratio = float(np.log(measured_ms / self.calibrated_ms(batch, tokens_per_row)))
+        real_per_row = tokens_per_row if real_tokens is None else real_tokens / batch
+        log_ratio = float(np.log(measured_ms / self.calibrated_ms(batch, real_per_row)))
         factor, deviation = self.factor(batch), self._deviation(batch, tokens_per_row)
         residual = float(np.clip(log_ratio - factor - deviation, -MAX_STEP_ERROR, MAX_STEP_ERROR))
         cells = self.cells.setdefault(batch, {})
@@ -391,7 +401,8 @@ class AdaptivePolicy(SpeculationPolicy):
         self.last_prediction: tuple | None = None  # the last plan's expected tokens, predicted ms, goodput per width
         self._last_plan: tuple[int, int, float] | None = None  # (batch, width, raw expected accepted drafts)
         self.token_counts = [0.0, 0.0, 0.0]  # decayed sums over the plans run: steps, realized, raw predicted accepted drafts
-        self._costs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch -> (target_ms [G+1], draft_ms [B+1])
+        self._calibrated: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch -> (calibrated ms by drafts [B*G+1], draft_ms [B+1])
+        self._corrections: dict[int, np.ndarray] = {}  # batch -> live correction by width [G+1]
         self._costs_at = cost_model.observations
 
     @property
@@ -410,43 +421,60 @@ class AdaptivePolicy(SpeculationPolicy):
                 rows[i, profile.size :] = profile[-1] if profile.size else self.prior_alpha
         return np.clip(rows, 0.0, 1.0)
 
-    def costs(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Predicted ms for one batch size (computed once): target pass by width [G+1], draft pass by rows [B+1]."""
+    def costs(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The prices of one batch size's plans: a target step of width w with d drafts in all costs
+        calibrated[d] * correction[w] (CostModel.target_step_ms), and the s-th draft pass over r rows draft_ms[r].
+        correction [G+1] is recomputed when the live correction moves; calibrated [B*G+1] and draft_ms [B+1] once."""
+        if batch not in self._calibrated:
+            calibrated = [self.cost_model.calibrated_ms(batch, 1 + d / batch) for d in range(batch * self.gamma_max + 1)]
+            draft_ms = [0.0] + [self.cost_model.draft_step_ms(b) for b in range(1, batch + 1)]
+            self._calibrated[batch] = (np.array(calibrated), np.array(draft_ms))  # [B*G+1], [B+1]
         if self._costs_at != self.cost_model.observations:  # the live correction moved: price again
-            self._costs, self._costs_at = {}, self.cost_model.observations
-        if batch not in self._costs:
-            target_ms = np.array([self.cost_model.target_step_ms(batch, w + 1) for w in range(self.gamma_max + 1)])  # [G+1]
-            draft_ms = np.array([0.0] + [self.cost_model.draft_step_ms(b) for b in range(1, batch + 1)])  # [B+1]
-            self._costs[batch] = (target_ms, draft_ms)
-        return self._costs[batch]
+            self._corrections, self._costs_at = {}, self.cost_model.observations
+        if batch not in self._corrections:
+            self._corrections[batch] = np.array([self.cost_model.correction(batch, w + 1) for w in range(self.gamma_max + 1)])  # [G+1]
+        return self._corrections[batch], *self._calibrated[batch]
 
     def candidates(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[tuple[float, np.ndarray]]:
         """The best plan of every width (k requests drafting, see the module docstring), "everyone 0" first:
         [(expected goodput in tokens per ms, gammas [B]), ...] in increasing width."""
+        return [(goodput, gammas) for goodput, gammas, _, _ in self._candidates(acceptance, caps)]
+
+    def _candidates(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None) -> list[tuple[float, np.ndarray, int, int]]:
+        """candidates(), each plan with its width and its drafts: (goodput, gammas [B], max gamma, sum of gammas)."""
         batch = len(acceptance)
         limit = np.full(batch, self.gamma_max) if caps is None else np.clip(np.asarray(caps, dtype=int), 0, self.gamma_max)  # [B]
-        gain = np.zeros((batch, self.gamma_max + 1))  # [B, G+1]: expected accepted drafts with g drafts
-        gain[:, 1:] = np.cumsum(np.cumprod(self.rates(acceptance), axis=1), axis=1)
-        target_ms, draft_ms = self.costs(batch)
-        factor = self.token_factor()
-        plans = [(batch / target_ms[0], np.zeros(batch, dtype=int))]
-        widths = np.arange(1, min(self.gamma_max, int(limit.max())) + 1)  # [W]
-        if not widths.size:
+        correction, calibrated, draft_ms = self.costs(batch)
+        plans = [(batch / float(calibrated[0] * correction[0]), np.zeros(batch, dtype=int), 0, 0)]
+        top = min(self.gamma_max, int(limit.max()))
+        if top == 0:
             return plans
-        # every width at once: one set of numpy calls per step, not one per width (the policy runs every step)
+        gain = np.zeros((batch, top + 1))  # [B, W+1]: expected accepted drafts with g drafts
+        gain[:, 1:] = np.cumsum(np.cumprod(self.rates(acceptance)[:, :top], axis=1), axis=1)
+        # every width at once: one set of numpy calls per step, not one per width (the policy runs every step);
+        # plain fancy indexing, not take_along_axis: at batch 1 this runs in ~0.1 ms of a ~15-40 ms step
+        widths = np.arange(1, top + 1)  # [W]
+        plan_rows = np.arange(top)[:, None]  # [W, 1]
         gammas = np.minimum(limit[None], widths[:, None])  # [W, B]
-        value = np.take_along_axis(gain, gammas.T, axis=1).T  # [W, B] expected extra tokens
+        value = gain[np.arange(batch)[None], gammas]  # [W, B] expected extra tokens
         order = np.argsort(-value, axis=1, kind="stable")  # [W, B] most valuable first
-        ranked = np.take_along_axis(gammas, order, axis=1)  # [W, B]
-        # prefix k (rows order[:k] draft): rows in the s-th draft pass, the widest row, the expected tokens
-        drafting = np.cumsum(ranked[:, :, None] >= np.arange(1, widths[-1] + 1)[None, None], axis=1)  # [W, B, S]
+        ranked = gammas[plan_rows, order]  # [W, B]
+        # prefix k (rows order[:k] draft): the widest row, the drafts, the price, the expected tokens
         widest = np.maximum.accumulate(ranked, axis=1)  # [W, B] the plan's width
-        cost_ms = draft_ms[drafting].sum(axis=2) + target_ms[widest]  # [W, B] (draft_ms[0] = 0: passes past a width)
-        goodput = (batch + factor * np.cumsum(np.take_along_axis(value, order, axis=1), axis=1)) / cost_ms  # [W, B]
-        best = np.argmax(goodput, axis=1)  # [W] the best prefix per width (first of ties)
+        drafts = np.cumsum(ranked, axis=1)  # [W, B]
+        cost_ms = calibrated[drafts] * correction[widest]  # [W, B]
+        if draft_ms.any():  # a draft model: the s-th draft pass runs over the rows drafting >= s (lookups: free)
+            drafting = np.cumsum(ranked[:, :, None] >= widths[None, None], axis=1)  # [W, B, S]
+            cost_ms = cost_ms + draft_ms[drafting].sum(axis=2)  # (draft_ms[0] = 0: passes past a row's gamma)
+        goodput = (batch + self.token_factor() * np.cumsum(value[plan_rows, order], axis=1)) / cost_ms  # [W, B]
+        if draft_ms.any():
+            best = np.argmax(goodput, axis=1)  # [W] the best prefix per width (first of ties)
+        else:  # free drafts: every row drafts what the width allows (see the module docstring: no per-row cuts)
+            best = np.full(top, batch - 1)
         chosen = np.zeros_like(gammas)
-        np.put_along_axis(chosen, order, np.where(np.arange(batch)[None] <= best[:, None], ranked, 0), axis=1)
-        plans.extend((float(goodput[w, best[w]]), chosen[w]) for w in range(widths.size))
+        chosen[plan_rows, order] = np.where(np.arange(batch)[None] <= best[:, None], ranked, 0)
+        at = (np.arange(top), best)
+        plans.extend(zip(goodput[at].tolist(), chosen, widest[at].tolist(), drafts[at].tolist()))
         return plans
 
     def plan(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> tuple[list[int], float]:
@@ -454,11 +482,11 @@ class AdaptivePolicy(SpeculationPolicy):
         it is within `margin` of the best, else the best (exact ties to fewer drafts); see the class docstring."""
         if not acceptance:
             return [], 0.0
-        plans = self.candidates(acceptance, caps)
-        best_goodput, best_gammas = max(plans, key=lambda p: (p[0], -int(p[1].max()), -int(p[1].sum())))
-        held = [p for p in plans if int(p[1].max()) == self.incumbent]
+        plans = self._candidates(acceptance, caps)
+        best_goodput, best_gammas, _, _ = max(plans, key=lambda p: (p[0], -p[2], -p[3]))
+        held = [p for p in plans if p[2] == self.incumbent]
         if held and max(p[0] for p in held) >= best_goodput * (1 - self.margin) * (1 - 1e-9):
-            goodput, gammas = max(held, key=lambda p: p[0])
+            goodput, gammas = max(held, key=lambda p: p[0])[:2]
         else:
             goodput, gammas = best_goodput, best_gammas
         self.incumbent = int(gammas.max())
@@ -467,15 +495,17 @@ class AdaptivePolicy(SpeculationPolicy):
             probe = self._probe(plans, best_goodput, len(acceptance))
             if probe is not None:  # this step only: the incumbent stays
                 goodput, gammas = probe
-        target_ms, draft_ms = self.costs(len(acceptance))
+        correction, calibrated, draft_ms = self.costs(len(acceptance))
         width = int(gammas.max())
-        predicted_ms = float(target_ms[width] + sum(draft_ms[int((gammas >= s).sum())] for s in range(1, width + 1)))
+        predicted_ms = float(calibrated[int(gammas.sum())] * correction[width])
+        if width and draft_ms.any():
+            predicted_ms += float(draft_ms[(gammas[None] >= np.arange(1, width + 1)[:, None]).sum(axis=1)].sum())
         expected = goodput * predicted_ms  # rows + token_factor * the estimates' accepted drafts
         self.last_prediction = (expected, predicted_ms, [float(f"{p[0]:.5g}") for p in plans])
         self._last_plan = (len(acceptance), width, (expected - len(acceptance)) / self.token_factor())
         return gammas.tolist(), float(goodput)
 
-    def _probe(self, plans: list[tuple[float, np.ndarray]], best_goodput: float, batch: int) -> tuple[float, np.ndarray] | None:
+    def _probe(self, plans: list[tuple[float, np.ndarray, int, int]], best_goodput: float, batch: int) -> tuple[float, np.ndarray] | None:
         """The plan of another width than the incumbent with the best optimistic goodput, if that is within
         probe_margin of the best predicted goodput; else None.
 
@@ -495,8 +525,7 @@ class AdaptivePolicy(SpeculationPolicy):
         self.probes += 1
         cost = self.cost_model
         scored = []
-        for goodput, gammas in plans:
-            width = int(gammas.max())
+        for goodput, gammas, width, _ in plans:
             if width != self.incumbent:
                 bonus = self.probe_bonus / np.sqrt(cost.visits(batch, width + 1) + 1.0)
                 scored.append((goodput * float(np.exp(bonus)), goodput, gammas))
@@ -515,7 +544,7 @@ class AdaptivePolicy(SpeculationPolicy):
         tokens = batch + sum(float(gain[i, g - 1]) for i, g in enumerate(gammas) if g > 0)
         rows_per_pass = [sum(g >= s for g in gammas) for s in range(1, max(gammas, default=0) + 1)]
         drafts_ms = sum(self.cost_model.draft_step_ms(rows) for rows in rows_per_pass)
-        return tokens / (drafts_ms + self.cost_model.target_step_ms(batch, max(gammas, default=0) + 1))
+        return tokens / (drafts_ms + self.cost_model.target_step_ms(batch, max(gammas, default=0) + 1, batch + sum(gammas)))
 
     def choose(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[int]:
         return self.plan(acceptance, caps)[0]
@@ -534,10 +563,10 @@ class AdaptivePolicy(SpeculationPolicy):
         if predicted <= 0.0:
             return 1.0
         ratio = (steps * realized / predicted + TOKEN_PRIOR) / (steps + TOKEN_PRIOR)
-        return float(np.clip(ratio, *TOKEN_FACTOR_RANGE))
+        return min(max(float(ratio), TOKEN_FACTOR_RANGE[0]), TOKEN_FACTOR_RANGE[1])  # (np.clip on a scalar: ~6 us)
 
-    def observe_step(self, batch: int, width_tokens: int, target_ms: float, emitted: int | None = None) -> None:
-        self.cost_model.observe(batch, width_tokens, target_ms)
+    def observe_step(self, batch: int, width_tokens: int, target_ms: float, emitted: int | None = None, drafted: int | None = None) -> None:
+        self.cost_model.observe(batch, width_tokens, target_ms, None if drafted is None else batch + drafted)
         plan, self._last_plan = self._last_plan, None
         if emitted is None or plan is None or plan[:2] != (batch, width_tokens - 1) or width_tokens <= 1:
             return  # no prediction for this step (another caller, rows dropped), or nothing drafted
@@ -633,7 +662,7 @@ def calibrate_cost_model(
                 out = buffers[role].view(batch, tokens)  # warm memory, as serving's
                 logits = model.forward(step_ids, positions, caches[role], torch.arange(batch), out=out)  # [B, T, V]
                 if role == "target":  # the step's passes over the logits scale with B x T too: NaN check, greedy verify
-                    native.amax(logits), native.argmax(logits)  # as the scheduler and greedy_verify do
+                    native.max_argmax(logits)  # as the scheduler does (its check and greedy_verify's argmax)
                 if sweep:
                     samples[(role, batch, tokens)].append((time.perf_counter() - start) * 1e3)
     target_ms = {(b, t): min(times) for (role, b, t), times in samples.items() if role == "target"}

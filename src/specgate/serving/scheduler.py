@@ -561,7 +561,7 @@ class Scheduler:
             if proposal:
                 state["proposals"].append((len(request.tokens), proposal, 0))
         num_drafts = [len(tokens) for tokens, _ in drafts]
-        width = max(num_drafts)
+        width, drafted = max(num_drafts), sum(num_drafts)
         # 4. one ragged target forward: last committed token + drafts, at each row's own positions
         batch = len(running)
         ids = torch.zeros(batch, width + 1, dtype=torch.int64)  # [B, G+1]
@@ -578,16 +578,17 @@ class Scheduler:
         target_logits = self.target.model.forward(ids, positions, self.cache, slots, out=self._logits.view(batch, width + 1))  # [B, G+1, V]; read by the verification below, never after
         # (a fresh 80 MB block per step, 16 requests x 5 positions x Gemma's 262,144, page-faults ~19 ms)
         forward_s = time.perf_counter() - forward_start
-        keep = self._fail_non_finite(running, target_logits, positions)
+        peak, target_argmax = native.max_argmax(target_logits)  # [B, G+1] each: one pass for the check and greedy
+        keep = self._fail_non_finite(running, peak, positions)
         if len(keep) < batch:
             if not keep:
                 return
             index = torch.tensor(keep, dtype=torch.int64)
             running, states, drafts = [running[i] for i in keep], [states[i] for i in keep], [drafts[i] for i in keep]
             gammas, num_drafts = [gammas[i] for i in keep], [num_drafts[i] for i in keep]
-            draft_tokens, target_logits = draft_tokens[index], target_logits[index]
+            draft_tokens, target_logits, target_argmax = draft_tokens[index], target_logits[index], target_argmax[index]
         # 5. one batched verification with per-request generators
-        result = self._verify(running, states, drafts, draft_tokens, torch.tensor(num_drafts), target_logits)
+        result = self._verify(running, states, drafts, draft_tokens, torch.tensor(num_drafts), target_logits, target_argmax)
         # 6. commit
         now = time.perf_counter()
         step_stats = {"num_drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_position": [0] * width}
@@ -607,7 +608,7 @@ class Scheduler:
         # the adaptive cost model learns the whole step but its draft passes (priced on their own): the lookups,
         # the forward, the verification and the commit, which grow with the tokens a step scores and emits
         step_ms = 1e3 * (time.perf_counter() - step_start - draft_s)
-        self.policy.observe_step(batch, width + 1, step_ms, committed if len(running) == batch else None)
+        self.policy.observe_step(batch, width + 1, step_ms, committed if len(running) == batch else None, drafted=drafted)
         self._update_gauges()
         if self.trace is not None:  # one record per decode step, for benchmarks (times in ms)
             predicted = getattr(self.policy, "last_prediction", None)  # adaptive: the plan's (tokens, ms)
@@ -621,13 +622,13 @@ class Scheduler:
                 "forward_ms": 1e3 * forward_s, "draft_ms": 1e3 * draft_s, "prefill_tokens": self.last_prefill_tokens,
             })
 
-    def _fail_non_finite(self, running: list[Request], target_logits: Tensor, positions: Tensor) -> list[int]:
+    def _fail_non_finite(self, running: list[Request], peak: Tensor, positions: Tensor) -> list[int]:
         """Finish with "error" every request whose scored rows hold NaN/inf logits; the rows to keep.
 
-        amax over the vocabulary is NaN if any logit is NaN and +inf if any is +inf (one pass, no [B, T, V] mask);
-        a -inf logit alone is a legal zero probability. Pad positions (-1) are not checked.
+        peak `# [B, G+1]`: the logits' max over the vocabulary, NaN if any logit is NaN and +inf if any is +inf
+        (native.max_argmax: one multi-threaded pass, no [B, T, V] mask); a -inf logit alone is a legal zero
+        probability. Pad positions (-1) are not checked.
         """
-        peak = native.amax(target_logits)  # [B, G+1]: one multi-threaded C pass (torch.amax's is single-core)
         finite = (torch.isfinite(peak) | (positions < 0)).all(dim=1)  # [B]
         if bool(finite.all()):
             return list(range(len(running)))
@@ -640,11 +641,11 @@ class Scheduler:
             self._finish(request, "error")
         return finite.nonzero().flatten().tolist()
 
-    def _verify(self, running, states, drafts, draft_tokens: Tensor, num_drafts: Tensor, target_logits: Tensor):
+    def _verify(self, running, states, drafts, draft_tokens: Tensor, num_drafts: Tensor, target_logits: Tensor, target_argmax: Tensor):
         params = [r.params for r in running]
         generators = [s["verify_gen"] for s in states]
         if all(p.greedy for p in params) and self.lossy is None:
-            return greedy_verify(draft_tokens, num_drafts, target_logits)
+            return greedy_verify(draft_tokens, num_drafts, target_logits, target_argmax=target_argmax)
         width = draft_tokens.shape[1]
         has_q = any(q is not None for _, qs in drafts for q in qs)
         draft_probs = None
@@ -686,7 +687,7 @@ class Scheduler:
             if not (matched < len(known) or len(known) == len(proposal) or final):
                 pending.append((start, proposal, decided))
         state["proposals"] = pending
-        request.acceptance = float(request.acceptance_stats.profile(self.traffic_acceptance.profile(FLAT_PRIOR))[0])
+        request.acceptance = request.acceptance_stats.first_rate(self.traffic_acceptance.first_rate(FLAT_PRIOR))
 
     def _record(self, request: Request, gamma: int, drafted: int, accepted: int, step_stats: dict) -> None:
         stats = request.stats
@@ -695,7 +696,7 @@ class Scheduler:
         if drafted == 0:
             if request.acceptance_stats.observed and self.draft_kind != "ngram":  # n-gram rows: _score_proposals
                 request.acceptance_stats.age()
-                request.acceptance = float(request.acceptance_stats.profile(self.traffic_acceptance.profile(FLAT_PRIOR))[0])
+                request.acceptance = request.acceptance_stats.first_rate(self.traffic_acceptance.first_rate(FLAT_PRIOR))
             return
         stats.num_drafts += 1
         stats.drafted_tokens += drafted
@@ -711,7 +712,7 @@ class Scheduler:
         if self.draft_kind != "ngram":  # n-gram rows learn from their whole proposal in _score_proposals
             request.acceptance_stats.observe(drafted, accepted)
             self.traffic_acceptance.observe(drafted, accepted)
-            request.acceptance = float(request.acceptance_stats.profile(self.traffic_acceptance.profile(FLAT_PRIOR))[0])
+            request.acceptance = request.acceptance_stats.first_rate(self.traffic_acceptance.first_rate(FLAT_PRIOR))
 
     def _commit(self, request: Request, state: dict, emitted: list[int], now: float) -> None:
         finish = None
