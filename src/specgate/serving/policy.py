@@ -13,19 +13,22 @@
   profile; each step it chooses the VECTOR of gammas (0 included) that maximises expected goodput =
   sum_i E[T_i](gamma_i) / predicted step time, E[T](gamma) = 1 + sum_{k<=gamma} prod_{j<=k} a_j.
 
-Joint choice. The batched target pass is padded to its widest row (its cost depends on the batch and on
-W = max gamma_i + 1), and the draft model's k-th sequential pass runs over the rows with gamma_i >= k. So the
-adaptive policy searches, for every width W in 1..gamma_max and every k, the plan "the k requests with the most
-expected extra tokens at min(cap_i, W) drafts get that many, the others 0", plus "everyone 0", and keeps the
-best (ties go to fewer drafts). With free lookup drafts a request drafts whenever the width is paid for anyway;
-with a draft model, a request whose drafts are rarely accepted is dropped when its rows in the draft passes
-cost more than its expected extra tokens are worth. Plans are priced as their padded rectangle (batch x widest
-row + 1), although the C stack runs only a step's real tokens: pricing a mixed plan by its real tokens, and
-searching per-position plans (one request drafting 8, another 1) on that price, measured worse (Gemma-3-270M,
-concurrency 4: 0.82-0.87x of fixed gamma 2 against 1.07x, before the scheduler kept its logits buffer warm),
-because a padded step still pays its logits, their passes and its bookkeeping per padded position, and because
-the more plans the argmax can choose from on noisy per-request estimates, the more optimistic the one it picks.
-The padded price is the conservative one.
+Joint choice. The batched target pass is padded to its widest row, W = max gamma_i + 1 tokens per row, but the
+C stack and the head run only its real tokens (batch + sum gamma_i), so a target step is priced at its real
+tokens, with the live correction of its padded width (CostModel.target_step_ms); the draft model's k-th
+sequential pass runs over the rows with gamma_i >= k. With free lookup drafts the policy searches one plan per
+width W in 1..gamma_max, "every request drafts min(cap_i, W)", plus "everyone 0". It does not cut single rows:
+on the real-token price a row whose estimate is low would be cut, and a request's own estimate says little
+(diag 17: the rows estimated lowest at position 1, 0.63, were accepted at 0.83), so the more plans the argmax
+chooses from on noisy per-request estimates, the more optimistic the one it picks (bench/bench_replay.py with
+run 19's costs: cutting rows 0.976 / 0.992 of the best fixed gamma at concurrency 4 / 8, whole widths 1.012 /
+1.022). With a draft model a row costs its draft passes, so for every W and k it searches "the k requests with
+the most expected extra tokens at min(cap_i, W) drafts get that many, the others 0" (a heuristic on the
+real-token price: within 3% of an exhaustive search over gamma vectors in the tests). The best plan is kept
+(ties go to fewer drafts). Before the real-token price, plans were priced as their padded rectangle, and the
+padded price of a width is what the steps run at it cost: the policy runs width 2 when rows have drafts, so at
+batch 16 it over-priced width 2 where rows had fewer (replay with run 20's costs: 4% over, and width 0 ran
+where width 2 was 3% better).
 
 Robustness. The optimum is flat and the predictions carry noise (per-request acceptance estimates, step-time
 jitter), so the width must not flip from step to step on estimate noise: the width that ran last (the
@@ -179,6 +182,10 @@ class TablePolicy(SpeculationPolicy):
 @dataclass
 class CostModel:
     """Predicted step times in ms: a calibrated grid, interpolated, corrected live by the steps actually run.
+
+    A step padded to t tokens per row with fewer real tokens (a ragged verification) is priced at the calibration's
+    time for its real tokens per row, times the correction of its padded shape (b, t) (target_step_ms): the C
+    stack runs real tokens only, and what padding adds (its zeroed logits, their passes) is in the correction.
 
     target_ms[(batch, tokens_per_row)]: one target forward of `batch` rows of `tokens_per_row` tokens each (with
     the step's passes over its logits); draft_ms[batch]: one draft forward of `batch` rows of one token (a step's
@@ -379,6 +386,7 @@ class AdaptivePolicy(SpeculationPolicy):
         probe_every: int = DEFAULT_PROBE_EVERY,
         probe_margin: float = DEFAULT_PROBE_MARGIN,
         probe_bonus: float = DEFAULT_PROBE_BONUS,
+        cut_rows: bool = False,
     ) -> None:
         self.cost_model = cost_model
         self.gamma_max = _check_gamma(gamma_max, "gamma_max")
@@ -395,6 +403,7 @@ class AdaptivePolicy(SpeculationPolicy):
         self.prior_alpha = prior_alpha
         self.margin = margin
         self.probe_every, self.probe_margin, self.probe_bonus = probe_every, probe_margin, probe_bonus
+        self.cut_rows = cut_rows  # free drafts too: search plans that leave rows out (an ablation; see the module docstring)
         self.incumbent: int | None = None  # width (max gamma) of the plan that ran last; None before the first
         self.plans_made = 0
         self.probes = 0  # probe decisions made (AdaptivePolicy._probe)
@@ -467,7 +476,7 @@ class AdaptivePolicy(SpeculationPolicy):
             drafting = np.cumsum(ranked[:, :, None] >= widths[None, None], axis=1)  # [W, B, S]
             cost_ms = cost_ms + draft_ms[drafting].sum(axis=2)  # (draft_ms[0] = 0: passes past a row's gamma)
         goodput = (batch + self.token_factor() * np.cumsum(value[plan_rows, order], axis=1)) / cost_ms  # [W, B]
-        if draft_ms.any():
+        if draft_ms.any() or self.cut_rows:
             best = np.argmax(goodput, axis=1)  # [W] the best prefix per width (first of ties)
         else:  # free drafts: every row drafts what the width allows (see the module docstring: no per-row cuts)
             best = np.full(top, batch - 1)
@@ -577,6 +586,7 @@ class AdaptivePolicy(SpeculationPolicy):
         return {
             "policy": self.name, "gamma_max": self.gamma_max, "prior_alpha": self.prior_alpha, "margin": self.margin,
             "probe_every": self.probe_every, "probe_margin": self.probe_margin, "probe_bonus": self.probe_bonus, "probes": self.probes,
+            "cut_rows": self.cut_rows,
             "token_factor": round(self.token_factor(), 3),
             "cost_model": self.cost_model.to_dict(),
         }
