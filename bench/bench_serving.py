@@ -340,7 +340,7 @@ def paired_ratios(rows: list[dict], concurrency: int, lane: str) -> list[float]:
 
 
 def lane_label(lane: str, gamma: int, gamma_max: int) -> tuple[str, str, int]:
-    name, gamma = parse_lane(lane, gamma_max if lane == "adaptive" else gamma)
+    name, gamma = parse_lane(lane, gamma_max if lane.startswith("adaptive") else gamma)
     return name, f"fixed g={gamma}" if name == "fixed" else name, gamma
 
 

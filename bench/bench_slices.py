@@ -34,6 +34,7 @@ prefill tokens per output token 0.55 in the off lane's slices against 0.29 in fi
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -54,6 +55,7 @@ from bench_serving import PROMPTS, lane_label, resolve_dtype  # noqa: E402
 from specgate.models import load_model  # noqa: E402
 from specgate.sampling import SamplingParams  # noqa: E402
 from specgate.serving import Request, Scheduler, calibrate_cost_model, make_policy  # noqa: E402
+from specgate.serving.policy import AdaptivePolicy, CostModel, SpeculationPolicy  # noqa: E402
 
 
 class ClosedLoop:
@@ -85,6 +87,15 @@ class ClosedLoop:
 
 TRACE_KEYS = ("end_s", "batch", "width", "drafted", "emitted", "rows_emitted", "rows_before", "step_ms", "forward_ms",
               "prefill_tokens", "predicted_tokens", "predicted_ms", "predicted_goodputs")
+
+
+def make_lane_policy(name: str, gamma: int, cost_model: CostModel | None) -> SpeculationPolicy:
+    """A lane's policy. `adaptive-padded`: the adaptive policy pricing every step as its padded rectangle (the
+    price before real-token pricing), on its own copy of the calibration, so the two adaptive lanes of one sweep
+    are an A/B of the price alone (each learns from its own steps)."""
+    if name == "adaptive-padded":
+        return AdaptivePolicy(copy.deepcopy(cost_model), gamma_max=gamma, padded_prices=True)
+    return make_policy(name, gamma=gamma, cost_model=cost_model)
 
 
 def run_slice(scheduler: Scheduler, seconds: float) -> dict:
@@ -209,7 +220,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto (the runtime's default), float32 or bfloat16")
     parser.add_argument("--gamma-max", type=int, default=8, help="adaptive lane's gamma_max")
     parser.add_argument("--concurrency", default="1,2,4,8,16")
-    parser.add_argument("--lanes", default="off,fixed=2,fixed=4,fixed=8,adaptive", help="comma list of off, fixed=G, adaptive")
+    parser.add_argument("--lanes", default="off,fixed=2,fixed=4,fixed=8,adaptive",
+                        help="comma list of off, fixed=G, adaptive, adaptive-padded (the ablation AdaptivePolicy.padded_prices)")
     parser.add_argument("--rounds", type=int, default=10, help="measured rounds per concurrency (one slice per lane each)")
     parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and left out (prefill wave, first learning)")
     parser.add_argument("--slice-s", type=float, default=3.0, help="seconds per slice")
@@ -253,7 +265,7 @@ def main() -> None:
     parsed = [lane_label(lane, 4, args.gamma_max) for lane in lanes]  # (policy name, label, gamma)
     labels = [label for _, label, _ in parsed]
     cost_model = None
-    if "adaptive" in lanes:
+    if any(lane.startswith("adaptive") for lane in lanes):
         with console.status("calibrating the adaptive policy's cost model"):
             cost_model = calibrate_cost_model(target.model, None, gamma_max=args.gamma_max)
         console.print(f"cost model: {cost_model.to_dict()['target_ms']}")
@@ -265,7 +277,7 @@ def main() -> None:
         task = progress.add_task("slices", total=total)
         for concurrency in concurrencies:
             scheduler = Scheduler(target, "ngram", None, num_slots=concurrency, max_seq_len=max_seq_len, max_waiting=concurrency)
-            policies = {label: make_policy(name, gamma=gamma, cost_model=cost_model) for name, label, gamma in parsed}
+            policies = {label: make_lane_policy(name, gamma, cost_model) for name, label, gamma in parsed}
             loop = ClosedLoop(scheduler, prompts, concurrency, args.max_tokens, args.length_spread, seed=concurrency)
             slices = []
             for index in range(args.warmup_rounds + args.rounds):

@@ -128,6 +128,12 @@ def test_ragged_steps_are_priced_by_their_real_tokens():
     chosen = policy.choose([[0.9, 0.9]] * 16, caps=[2] * 8 + [1] * 8)
     assert chosen in ([2] * 8 + [1] * 8, [1] * 16, [0] * 16)
     assert policy.last_prediction[1] == pytest.approx(cost.target_step_ms(16, max(chosen) + 1, 16 + sum(chosen)))
+    # the ablation padded_prices (the price before this one): the same ragged plan costs its full rectangle
+    padded = AdaptivePolicy(cost, gamma_max=2, margin=0.0, padded_prices=True)
+    ragged = padded.choose([[0.9, 0.9]] * 16, caps=[2] * 8 + [1] * 8)
+    assert padded.last_prediction[1] == pytest.approx(cost.target_step_ms(16, max(ragged) + 1))
+    if max(ragged) == 2:  # a ragged width-2 plan: the padded price is the higher one
+        assert padded.last_prediction[1] > cost.target_step_ms(16, 3, 16 + sum(ragged))
 
 
 def test_margin_holds_the_incumbent_width_of_near_equal_plans():

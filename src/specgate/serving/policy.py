@@ -387,6 +387,7 @@ class AdaptivePolicy(SpeculationPolicy):
         probe_margin: float = DEFAULT_PROBE_MARGIN,
         probe_bonus: float = DEFAULT_PROBE_BONUS,
         cut_rows: bool = False,
+        padded_prices: bool = False,
     ) -> None:
         self.cost_model = cost_model
         self.gamma_max = _check_gamma(gamma_max, "gamma_max")
@@ -404,6 +405,7 @@ class AdaptivePolicy(SpeculationPolicy):
         self.margin = margin
         self.probe_every, self.probe_margin, self.probe_bonus = probe_every, probe_margin, probe_bonus
         self.cut_rows = cut_rows  # free drafts too: search plans that leave rows out (an ablation; see the module docstring)
+        self.padded_prices = padded_prices  # price a step as batch x (width + 1) real tokens (the earlier price; an ablation)
         self.incumbent: int | None = None  # width (max gamma) of the plan that ran last; None before the first
         self.plans_made = 0
         self.probes = 0  # probe decisions made (AdaptivePolicy._probe)
@@ -471,7 +473,7 @@ class AdaptivePolicy(SpeculationPolicy):
         # prefix k (rows order[:k] draft): the widest row, the drafts, the price, the expected tokens
         widest = np.maximum.accumulate(ranked, axis=1)  # [W, B] the plan's width
         drafts = np.cumsum(ranked, axis=1)  # [W, B]
-        cost_ms = calibrated[drafts] * correction[widest]  # [W, B]
+        cost_ms = calibrated[batch * widest if self.padded_prices else drafts] * correction[widest]  # [W, B]
         if draft_ms.any():  # a draft model: the s-th draft pass runs over the rows drafting >= s (lookups: free)
             drafting = np.cumsum(ranked[:, :, None] >= widths[None, None], axis=1)  # [W, B, S]
             cost_ms = cost_ms + draft_ms[drafting].sum(axis=2)  # (draft_ms[0] = 0: passes past a row's gamma)
@@ -506,7 +508,7 @@ class AdaptivePolicy(SpeculationPolicy):
                 goodput, gammas = probe
         correction, calibrated, draft_ms = self.costs(len(acceptance))
         width = int(gammas.max())
-        predicted_ms = float(calibrated[int(gammas.sum())] * correction[width])
+        predicted_ms = float(calibrated[len(acceptance) * width if self.padded_prices else int(gammas.sum())] * correction[width])
         if width and draft_ms.any():
             predicted_ms += float(draft_ms[(gammas[None] >= np.arange(1, width + 1)[:, None]).sum(axis=1)].sum())
         expected = goodput * predicted_ms  # rows + token_factor * the estimates' accepted drafts
@@ -575,7 +577,7 @@ class AdaptivePolicy(SpeculationPolicy):
         return min(max(float(ratio), TOKEN_FACTOR_RANGE[0]), TOKEN_FACTOR_RANGE[1])  # (np.clip on a scalar: ~6 us)
 
     def observe_step(self, batch: int, width_tokens: int, target_ms: float, emitted: int | None = None, drafted: int | None = None) -> None:
-        self.cost_model.observe(batch, width_tokens, target_ms, None if drafted is None else batch + drafted)
+        self.cost_model.observe(batch, width_tokens, target_ms, None if drafted is None or self.padded_prices else batch + drafted)
         plan, self._last_plan = self._last_plan, None
         if emitted is None or plan is None or plan[:2] != (batch, width_tokens - 1) or width_tokens <= 1:
             return  # no prediction for this step (another caller, rows dropped), or nothing drafted
@@ -586,7 +588,7 @@ class AdaptivePolicy(SpeculationPolicy):
         return {
             "policy": self.name, "gamma_max": self.gamma_max, "prior_alpha": self.prior_alpha, "margin": self.margin,
             "probe_every": self.probe_every, "probe_margin": self.probe_margin, "probe_bonus": self.probe_bonus, "probes": self.probes,
-            "cut_rows": self.cut_rows,
+            "cut_rows": self.cut_rows, "padded_prices": self.padded_prices,
             "token_factor": round(self.token_factor(), 3),
             "cost_model": self.cost_model.to_dict(),
         }
