@@ -13,8 +13,9 @@ that many real tokens (batch + drafts: the C stack runs only a step's real token
 (--noise). The adaptive lane's cost model starts from the calibration recorded in that trace and learns from the
 replayed steps (CostModel.observe), as it does while serving. A new request adds --prefill-ms.
 
-Lanes: off, fixed gamma, adaptive, `adaptive-cut` (the ablation AdaptivePolicy.cut_rows: with lookup drafts it may also
-leave rows out of a width on their estimates), and `oracle`, which knows each row's true match length and runs the width with
+Lanes: off, fixed gamma, adaptive, `adaptive-real` (the ablation AdaptivePolicy.real_token_prices: steps priced at
+their real tokens), `adaptive-cut` (real-token prices and AdaptivePolicy.cut_rows: with lookup drafts a width may
+leave rows out on their estimates), and `oracle`, which knows each row's true match length and runs the width with
 the most true tokens per true ms this step: the bound of any rule that picks one width per step from this step's
 prospects. It is not a policy (the future is not known while serving); it says how much of the gap to it is the
 acceptance estimates'. The greedy outputs are generated once with the target alone (--target) and kept in --out.
@@ -210,15 +211,16 @@ def main() -> None:
     def make(lane: str) -> SpeculationPolicy:
         if lane == "oracle":
             return OraclePolicy(args.gamma_max, table)
-        if lane in ("adaptive", "adaptive-cut"):  # adaptive-cut: the ablation that may leave rows out of a width
+        if lane in ("adaptive", "adaptive-real", "adaptive-cut"):  # the ablations: real-token prices, and rows cut too
             policy = make_policy("adaptive", gamma=args.gamma_max, cost_model=monotone(CostModel(target_ms=dict(calibration))))
+            policy.real_token_prices = lane != "adaptive"
             policy.cut_rows = lane == "adaptive-cut"
             return policy
         if lane.startswith("fixed="):
             return make_policy("fixed", gamma=int(lane.split("=")[1]))
         if lane == "off":
             return make_policy("off")
-        raise SystemExit(f"--lanes entry {lane!r} is unknown: use off, fixed=G, adaptive, adaptive-cut or oracle")
+        raise SystemExit(f"--lanes entry {lane!r} is unknown: use off, fixed=G, adaptive, adaptive-real, adaptive-cut or oracle")
 
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "points": []}
     with Progress(console=console) as progress:
@@ -240,7 +242,7 @@ def main() -> None:
     console.print("|---" * (len(lanes) + 3) + "|")
     for point in results["points"]:
         speeds = {lane: v["throughput_tok_s"] for lane, v in point["lanes"].items()}
-        fixed = [v for lane, v in speeds.items() if lane not in ("adaptive", "adaptive-cut", "oracle")]
+        fixed = [v for lane, v in speeds.items() if not lane.startswith("adaptive") and lane != "oracle"]
         cells = " | ".join(f"{speeds[lane]:.1f} (w {point['lanes'][lane]['mean_width']:.2f})" for lane in lanes)
         ratio = f"{speeds['adaptive'] / max(fixed):.3f}" if "adaptive" in speeds and fixed else "-"
         bound = f"{speeds['adaptive'] / speeds['oracle']:.3f}" if {"adaptive", "oracle"} <= speeds.keys() else "-"

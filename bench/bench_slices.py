@@ -90,11 +90,13 @@ TRACE_KEYS = ("end_s", "batch", "width", "drafted", "emitted", "rows_emitted", "
 
 
 def make_lane_policy(name: str, gamma: int, cost_model: CostModel | None) -> SpeculationPolicy:
-    """A lane's policy. `adaptive-padded`: the adaptive policy pricing every step as its padded rectangle (the
-    price before real-token pricing), on its own copy of the calibration, so the two adaptive lanes of one sweep
-    are an A/B of the price alone (each learns from its own steps)."""
-    if name == "adaptive-padded":
-        return AdaptivePolicy(copy.deepcopy(cost_model), gamma_max=gamma, padded_prices=True)
+    """A lane's policy. `adaptive-real`: the adaptive policy with the ablation real_token_prices (a step priced at
+    its real tokens, not its padded rectangle), on its own copy of the calibration, so the two adaptive lanes of
+    one sweep are an A/B of the price alone (each learns from its own steps). bench/out/slices_ab23 ran this A/B
+    at commit e540f22, where the real-token price was the default (lane `adaptive`) and the padded one the lane
+    `adaptive-padded`."""
+    if name == "adaptive-real":
+        return AdaptivePolicy(copy.deepcopy(cost_model), gamma_max=gamma, real_token_prices=True)
     return make_policy(name, gamma=gamma, cost_model=cost_model)
 
 
@@ -221,7 +223,7 @@ def main() -> None:
     parser.add_argument("--gamma-max", type=int, default=8, help="adaptive lane's gamma_max")
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--lanes", default="off,fixed=2,fixed=4,fixed=8,adaptive",
-                        help="comma list of off, fixed=G, adaptive, adaptive-padded (the ablation AdaptivePolicy.padded_prices)")
+                        help="comma list of off, fixed=G, adaptive, adaptive-real (the ablation AdaptivePolicy.real_token_prices)")
     parser.add_argument("--rounds", type=int, default=10, help="measured rounds per concurrency (one slice per lane each)")
     parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and left out (prefill wave, first learning)")
     parser.add_argument("--slice-s", type=float, default=3.0, help="seconds per slice")

@@ -45,14 +45,14 @@ def test_cost_model_interpolates_and_extrapolates():
 DRAFT_MODEL_GAP = 0.03  # the per-width search's measured worst miss with a draft model is 2.6% (see the test below)
 
 
-def brute_force_goodput(cost: CostModel, rates: list[list[float]], gammas: tuple[int, ...]) -> float:
+def brute_force_goodput(cost: CostModel, rates: list[list[float]], gammas: tuple[int, ...], real: bool = False) -> float:
     """Independent oracle: expected tokens (1 + sum_k prod_{j<=k} a_j per request) over the step's modelled
-    time (draft pass s runs over the rows with gamma >= s; the target pass is priced at its real tokens, batch +
-    the drafts, with the correction of the padded width)."""
+    time (draft pass s runs over the rows with gamma >= s; the target pass is priced padded to the widest row, or
+    with real=True at its real tokens, batch + the drafts, with the correction of the padded width)."""
     tokens = sum(1.0 + sum(float(np.prod(r[:k])) for k in range(1, g + 1)) for r, g in zip(rates, gammas))
     width = max(gammas)
     drafts_ms = sum(cost.draft_step_ms(sum(g >= s for g in gammas)) for s in range(1, width + 1))
-    return tokens / (drafts_ms + cost.target_step_ms(len(rates), width + 1, len(rates) + sum(gammas)))
+    return tokens / (drafts_ms + cost.target_step_ms(len(rates), width + 1, len(rates) + sum(gammas) if real else None))
 
 
 def test_adaptive_speculates_alone_and_stops_under_heavy_batch_cost():
@@ -70,15 +70,17 @@ def test_adaptive_speculates_alone_and_stops_under_heavy_batch_cost():
     assert policy.choose([]) == []
 
 
+@pytest.mark.parametrize("real", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_adaptive_choice_is_the_best_gamma_vector(seed):
-    """Against an exhaustive search of small random batches, priced as the policy prices them (real tokens).
-    Free (lookup) drafts: the policy searches the plans "every row drafts min(width, cap)", one per width; it must
-    find the best of them exactly, whatever its margin; one holding an incumbent width stays within its margin of
-    the best, and keeps the incumbent exactly when that width's plan is within the margin. A draft model: every
-    gamma vector (0..cap_i per request) is a candidate; the policy's search (per width, the k rows of most
-    expected extra tokens) is a heuristic there, within DRAFT_MODEL_GAP of the best vector (1000 random cases of
-    this test's kind: 30 missed the best, the worst by 2.6%)."""
+def test_adaptive_choice_is_the_best_gamma_vector(seed, real):
+    """Against an exhaustive search of small random batches, priced as the policy prices them. The padded price
+    (default): over every gamma vector (0..cap_i per request), a fresh policy (no incumbent) finds the best
+    whatever its margin; one holding an incumbent width stays within its margin of the best, and keeps the
+    incumbent exactly when that width's plan is within the margin. The ablation real_token_prices: with free
+    (lookup) drafts the policy searches the plans "every row drafts min(width, cap)", one per width, and must find
+    the best of them exactly (and the same incumbent rules hold); with a draft model its search (per width, the k
+    rows of most expected extra tokens) is a heuristic on that price, within DRAFT_MODEL_GAP of the best vector
+    (1000 random cases of this test's kind: 30 missed the best, the worst by 2.6%)."""
     rng = np.random.default_rng(seed)
     for _ in range(25):
         batch, gamma_max = int(rng.integers(1, 5)), 4
@@ -86,36 +88,38 @@ def test_adaptive_choice_is_the_best_gamma_vector(seed):
         cost = CostModel(ANCHOR_MS, draft_ms={1: draft_1, 16: draft_1 * float(rng.choice([1, 2, 4]))} if draft_1 else {})
         rates = rng.random((batch, gamma_max)).tolist()
         caps = rng.integers(0, gamma_max + 1, batch).tolist()
-        if draft_1:
+        if draft_1 or not real:
             vectors = list(itertools.product(*[range(c + 1) for c in caps]))
         else:
             vectors = [tuple(min(width, c) for c in caps) for width in range(gamma_max + 1)]
-        scored = [(brute_force_goodput(cost, rates, v), v) for v in vectors]
+        scored = [(brute_force_goodput(cost, rates, v, real), v) for v in vectors]
         best = max(goodput for goodput, _ in scored)
-        slack = DRAFT_MODEL_GAP if draft_1 else 1e-9
+        heuristic = bool(draft_1) and real
+        slack = DRAFT_MODEL_GAP if heuristic else 1e-9
         for margin in (0.0, 0.05):
-            chosen = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin).choose(rates, caps)
+            chosen = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin, real_token_prices=real).choose(rates, caps)
             assert all(0 <= g <= c for g, c in zip(chosen, caps))
-            assert draft_1 or tuple(chosen) in vectors, (caps, chosen)
-            assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - slack), (rates, caps, chosen)
-        if draft_1:
+            assert tuple(chosen) in vectors, (caps, chosen)
+            assert brute_force_goodput(cost, rates, tuple(chosen), real) >= best * (1 - slack), (rates, caps, chosen)
+        if heuristic:
             continue
         margin = 0.05
-        policy = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin)
+        policy = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin, real_token_prices=real)
         policy.incumbent = int(rng.integers(0, gamma_max + 1))
         held = max((goodput for goodput, v in scored if max(v) == policy.incumbent), default=0.0)
         chosen = policy.choose(rates, caps)
-        assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - margin) * (1 - 1e-9), (rates, caps, chosen)
+        assert brute_force_goodput(cost, rates, tuple(chosen), real) >= best * (1 - margin) * (1 - 1e-9), (rates, caps, chosen)
         if held >= best * (1 - margin) * (1 + 1e-9):
             assert max(chosen) == policy.incumbent, (rates, caps, chosen)
         elif held < best * (1 - margin) * (1 - 1e-9):
-            assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - 1e-9), (rates, caps, chosen)
+            assert brute_force_goodput(cost, rates, tuple(chosen), real) >= best * (1 - 1e-9), (rates, caps, chosen)
 
 
 def test_ragged_steps_are_priced_by_their_real_tokens():
     """The C stack runs a ragged step's real tokens only (run 20, batch 16, fixed gamma 2: a step's forward grew
-    ~3-6 ms per draft verified at the same width). A width-2 step where half the rows have one draft is priced
-    between width 1 and width 2 at full rows; the live correction learns from the real tokens a step ran."""
+    ~6 ms per draft verified at the same width). CostModel prices a width-2 step where half the rows have one
+    draft between width 1 and width 2 at full rows, and its live correction learns from the real tokens a step
+    ran; the policy uses that price with real_token_prices (an ablation), the padded one by default."""
     cost = CostModel({(16, 1): 90.0, (16, 2): 170.0, (16, 3): 260.0})
     assert cost.target_step_ms(16, 3, 16 + 16) == pytest.approx(170.0)  # width 2, 16 drafts: priced as 16 x 2 tokens
     assert cost.target_step_ms(16, 3, 16 + 24) == pytest.approx(215.0)
@@ -123,13 +127,13 @@ def test_ragged_steps_are_priced_by_their_real_tokens():
     for _ in range(200):  # ragged width-2 steps (24 drafts) measured 10% over their real-token price
         cost.observe(16, 3, 1.1 * 215.0, real_tokens=40)
     assert cost.target_step_ms(16, 3, 40) == pytest.approx(1.1 * 215.0, rel=0.01)
-    # with free drafts the policy runs every row at what the width allows, and pays for the drafts it can use
-    policy = AdaptivePolicy(cost, gamma_max=2, margin=0.0)
+    # real_token_prices: with free drafts every row runs at what the width allows, priced by the drafts it uses
+    policy = AdaptivePolicy(cost, gamma_max=2, margin=0.0, real_token_prices=True)
     chosen = policy.choose([[0.9, 0.9]] * 16, caps=[2] * 8 + [1] * 8)
     assert chosen in ([2] * 8 + [1] * 8, [1] * 16, [0] * 16)
     assert policy.last_prediction[1] == pytest.approx(cost.target_step_ms(16, max(chosen) + 1, 16 + sum(chosen)))
-    # the ablation padded_prices (the price before this one): the same ragged plan costs its full rectangle
-    padded = AdaptivePolicy(cost, gamma_max=2, margin=0.0, padded_prices=True)
+    # the default padded price: the same ragged plan costs its full rectangle
+    padded = AdaptivePolicy(cost, gamma_max=2, margin=0.0)
     ragged = padded.choose([[0.9, 0.9]] * 16, caps=[2] * 8 + [1] * 8)
     assert padded.last_prediction[1] == pytest.approx(cost.target_step_ms(16, max(ragged) + 1))
     if max(ragged) == 2:  # a ragged width-2 plan: the padded price is the higher one

@@ -13,22 +13,25 @@
   profile; each step it chooses the VECTOR of gammas (0 included) that maximises expected goodput =
   sum_i E[T_i](gamma_i) / predicted step time, E[T](gamma) = 1 + sum_{k<=gamma} prod_{j<=k} a_j.
 
-Joint choice. The batched target pass is padded to its widest row, W = max gamma_i + 1 tokens per row, but the
-C stack and the head run only its real tokens (batch + sum gamma_i), so a target step is priced at its real
-tokens, with the live correction of its padded width (CostModel.target_step_ms); the draft model's k-th
-sequential pass runs over the rows with gamma_i >= k. With free lookup drafts the policy searches one plan per
-width W in 1..gamma_max, "every request drafts min(cap_i, W)", plus "everyone 0". It does not cut single rows:
-on the real-token price a row whose estimate is low would be cut, and a request's own estimate says little
-(diag 17: the rows estimated lowest at position 1, 0.63, were accepted at 0.83), so the more plans the argmax
-chooses from on noisy per-request estimates, the more optimistic the one it picks (bench/bench_replay.py with
-run 19's costs: cutting rows 0.976 / 0.992 of the best fixed gamma at concurrency 4 / 8, whole widths 1.012 /
-1.022). With a draft model a row costs its draft passes, so for every W and k it searches "the k requests with
-the most expected extra tokens at min(cap_i, W) drafts get that many, the others 0" (a heuristic on the
-real-token price: within 3% of an exhaustive search over gamma vectors in the tests). The best plan is kept
-(ties go to fewer drafts). Before the real-token price, plans were priced as their padded rectangle, and the
-padded price of a width is what the steps run at it cost: the policy runs width 2 when rows have drafts, so at
-batch 16 it over-priced width 2 where rows had fewer (replay with run 20's costs: 4% over, and width 0 ran
-where width 2 was 3% better).
+Joint choice. The batched target pass is padded to its widest row, W = max gamma_i + 1 tokens per row (its
+price depends on the batch and on W), and the draft model's k-th sequential pass runs over the rows with
+gamma_i >= k. So the adaptive policy searches, for every width W in 1..gamma_max and every k, the plan "the k
+requests with the most expected extra tokens at min(cap_i, W) drafts get that many, the others 0", plus
+"everyone 0", and keeps the best (ties go to fewer drafts). With free lookup drafts a request drafts whenever
+the width is paid for anyway; with a draft model, a request whose drafts are rarely accepted is dropped when its
+rows in the draft passes cost more than its expected extra tokens are worth.
+
+The price of a plan is its padded rectangle (batch x W tokens), although the C stack and the head run only a
+step's real tokens (batch + sum gamma_i), and a step's time grows with them (run 20, batch 16, fixed gamma 2:
+~6 ms per draft at the same width). The ablation `real_token_prices` prices a step at the calibration for its
+real tokens per row times the live correction of its width (CostModel.target_step_ms(batch, W, real_tokens)),
+and with lookup drafts searches one plan per width (every row drafts min(cap_i, W)). It replayed at or above the
+padded price (bench/bench_replay.py with run 19's costs: concurrency 2 1.009 against 0.976 of the best fixed
+gamma), but on the machine, in one sweep with both prices as lanes (bench/out/slices_ab23), it made 0.981, 0.980
+and 1.001x the padded price's throughput at concurrency 2, 4 and 8: no gain, so the padded price stays the
+default. `cut_rows` (with real_token_prices) also lets a width leave rows out on their estimates; a request's own
+estimate says little (diag 17: rows estimated lowest at position 1, 0.63, were accepted at 0.83), and it
+replayed worse (run 19's costs, concurrency 4 / 8: 0.976 / 0.992 against 1.012 / 1.021 without).
 
 Robustness. The optimum is flat and the predictions carry noise (per-request acceptance estimates, step-time
 jitter), so the width must not flip from step to step on estimate noise: the width that ran last (the
@@ -387,7 +390,7 @@ class AdaptivePolicy(SpeculationPolicy):
         probe_margin: float = DEFAULT_PROBE_MARGIN,
         probe_bonus: float = DEFAULT_PROBE_BONUS,
         cut_rows: bool = False,
-        padded_prices: bool = False,
+        real_token_prices: bool = False,
     ) -> None:
         self.cost_model = cost_model
         self.gamma_max = _check_gamma(gamma_max, "gamma_max")
@@ -404,8 +407,8 @@ class AdaptivePolicy(SpeculationPolicy):
         self.prior_alpha = prior_alpha
         self.margin = margin
         self.probe_every, self.probe_margin, self.probe_bonus = probe_every, probe_margin, probe_bonus
-        self.cut_rows = cut_rows  # free drafts too: search plans that leave rows out (an ablation; see the module docstring)
-        self.padded_prices = padded_prices  # price a step as batch x (width + 1) real tokens (the earlier price; an ablation)
+        self.real_token_prices = real_token_prices  # price a step at its real tokens, not its padded rectangle (an ablation)
+        self.cut_rows = cut_rows  # free drafts too: search plans that leave rows out (an ablation, with real_token_prices)
         self.incumbent: int | None = None  # width (max gamma) of the plan that ran last; None before the first
         self.plans_made = 0
         self.probes = 0  # probe decisions made (AdaptivePolicy._probe)
@@ -473,7 +476,7 @@ class AdaptivePolicy(SpeculationPolicy):
         # prefix k (rows order[:k] draft): the widest row, the drafts, the price, the expected tokens
         widest = np.maximum.accumulate(ranked, axis=1)  # [W, B] the plan's width
         drafts = np.cumsum(ranked, axis=1)  # [W, B]
-        cost_ms = calibrated[batch * widest if self.padded_prices else drafts] * correction[widest]  # [W, B]
+        cost_ms = calibrated[drafts if self.real_token_prices else batch * widest] * correction[widest]  # [W, B]
         if draft_ms.any():  # a draft model: the s-th draft pass runs over the rows drafting >= s (lookups: free)
             drafting = np.cumsum(ranked[:, :, None] >= widths[None, None], axis=1)  # [W, B, S]
             cost_ms = cost_ms + draft_ms[drafting].sum(axis=2)  # (draft_ms[0] = 0: passes past a row's gamma)
@@ -508,7 +511,7 @@ class AdaptivePolicy(SpeculationPolicy):
                 goodput, gammas = probe
         correction, calibrated, draft_ms = self.costs(len(acceptance))
         width = int(gammas.max())
-        predicted_ms = float(calibrated[len(acceptance) * width if self.padded_prices else int(gammas.sum())] * correction[width])
+        predicted_ms = float(calibrated[int(gammas.sum()) if self.real_token_prices else len(acceptance) * width] * correction[width])
         if width and draft_ms.any():
             predicted_ms += float(draft_ms[(gammas[None] >= np.arange(1, width + 1)[:, None]).sum(axis=1)].sum())
         expected = goodput * predicted_ms  # rows + token_factor * the estimates' accepted drafts
@@ -577,7 +580,7 @@ class AdaptivePolicy(SpeculationPolicy):
         return min(max(float(ratio), TOKEN_FACTOR_RANGE[0]), TOKEN_FACTOR_RANGE[1])  # (np.clip on a scalar: ~6 us)
 
     def observe_step(self, batch: int, width_tokens: int, target_ms: float, emitted: int | None = None, drafted: int | None = None) -> None:
-        self.cost_model.observe(batch, width_tokens, target_ms, None if drafted is None or self.padded_prices else batch + drafted)
+        self.cost_model.observe(batch, width_tokens, target_ms, batch + drafted if self.real_token_prices and drafted is not None else None)
         plan, self._last_plan = self._last_plan, None
         if emitted is None or plan is None or plan[:2] != (batch, width_tokens - 1) or width_tokens <= 1:
             return  # no prediction for this step (another caller, rows dropped), or nothing drafted
@@ -588,7 +591,7 @@ class AdaptivePolicy(SpeculationPolicy):
         return {
             "policy": self.name, "gamma_max": self.gamma_max, "prior_alpha": self.prior_alpha, "margin": self.margin,
             "probe_every": self.probe_every, "probe_margin": self.probe_margin, "probe_bonus": self.probe_bonus, "probes": self.probes,
-            "cut_rows": self.cut_rows, "padded_prices": self.padded_prices,
+            "real_token_prices": self.real_token_prices, "cut_rows": self.cut_rows,
             "token_factor": round(self.token_factor(), 3),
             "cost_model": self.cost_model.to_dict(),
         }
