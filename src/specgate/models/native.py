@@ -1011,8 +1011,8 @@ def amax(x: Tensor) -> Tensor:
 
 def max_argmax(x: Tensor) -> tuple[Tensor, Tensor]:
     """(torch.amax(x, -1), torch.argmax(x, -1)) from ONE pass over x: the scheduler's finiteness check and the
-    greedy verification read the same [B, G+1, V] logits (16 requests x 1 token of Gemma's 262,144: 17 MB, ~1.7 ms
-    a pass on this VM), so reading them once saves a pass per step. torch's two reductions elsewhere."""
+    greedy verification read the same [B, G+1, V] logits (16 requests x 1 token of Gemma's 262,144: 17 MB a
+    pass), so reading them once saves a pass per step. torch's two reductions elsewhere."""
     if not _argmax_applies(x):
         return x.amax(-1), x.argmax(-1)
     index = torch.empty(x.shape[:-1], dtype=torch.int64)
