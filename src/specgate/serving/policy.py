@@ -182,6 +182,11 @@ class TablePolicy(SpeculationPolicy):
         return {"policy": self.name, "table": [list(row) for row in self.table]}
 
 
+def _real_per_row(batch: int, tokens_per_row: float, real_tokens: int | None) -> float:
+    """Real tokens per row of a step padded to tokens_per_row (None: every token real)."""
+    return tokens_per_row if real_tokens is None else real_tokens / batch
+
+
 @dataclass
 class CostModel:
     """Predicted step times in ms: a calibrated grid, interpolated, corrected live by the steps actually run.
@@ -305,23 +310,21 @@ class CostModel:
         """One target step of `batch` rows padded to `tokens_per_row` tokens, `real_tokens` of them real (default
         all): the calibration at the real tokens per row (the C stack and the head run only those), times the live
         correction of the padded shape (what its logits passes and bookkeeping add, learnt from its steps)."""
-        real_per_row = tokens_per_row if real_tokens is None else real_tokens / batch
-        return self.calibrated_ms(batch, real_per_row) * self.correction(batch, tokens_per_row)
+        return self.calibrated_ms(batch, _real_per_row(batch, tokens_per_row, real_tokens)) * self.correction(batch, tokens_per_row)
 
     def live_correction(self, batch: int, tokens_per_row: float) -> float:
         """predicted / calibrated at this shape (1.0 = as calibrated)."""
         return self.target_step_ms(batch, tokens_per_row) / self.calibrated_ms(batch, tokens_per_row)
 
     def observe(self, batch: int, tokens_per_row: float, measured_ms: float, real_tokens: int | None = None) -> None:
-        """One target step measured while serving (padded to tokens_per_row, real_tokens of its batch x
-        tokens_per_row real: default all; its prediction is target_step_ms's). Its error r (log measured / predicted) moves F_batch by
-        live_rate * r and the (batch, tokens) cell's deviation by r / (visits + cell_prior); then the cells of this
+        """One target step measured while serving (padded to tokens_per_row; real_tokens of its batch x
+        tokens_per_row real, default all; predicted as target_step_ms does). Its error r (log measured / predicted)
+        moves F_batch by live_rate * r and the (batch, tokens) cell's deviation by r / (visits + cell_prior); then the cells of this
         batch are re-centred (their visit-weighted mean deviation moves into F_batch), so that F_batch is the
         batch's common factor and a width not run lately is priced with it."""
         if self.live_rate == 0.0 or not measured_ms > 0.0 or not np.isfinite(measured_ms):
             return
-        real_per_row = tokens_per_row if real_tokens is None else real_tokens / batch
-        log_ratio = float(np.log(measured_ms / self.calibrated_ms(batch, real_per_row)))
+        log_ratio = float(np.log(measured_ms / self.calibrated_ms(batch, _real_per_row(batch, tokens_per_row, real_tokens))))
         factor, deviation = self.factor(batch), self._deviation(batch, tokens_per_row)
         residual = float(np.clip(log_ratio - factor - deviation, -MAX_STEP_ERROR, MAX_STEP_ERROR))
         cells = self.cells.setdefault(batch, {})
