@@ -10,7 +10,8 @@ without the model: each step, the lookups and the per-request acceptance estimat
 Scheduler._lookups, Scheduler._score_proposals and AcceptanceStats), the policy's choice (the real policy objects)
 and its cost: the mean measured step time, in the --costs trace, of full-batch decode steps at that batch with
 that many real tokens (batch + drafts: the C stack runs only a step's real tokens), times log-normal noise
-(--noise). The adaptive lane's cost model starts from the calibration recorded in that trace and learns from the
+(--noise), and optionally a slow host factor shared by consecutive steps (--drift, --drift-s: an
+Ornstein-Uhlenbeck process in replayed time, as this VM's speed wanders). The adaptive lane's cost model starts from the calibration recorded in that trace and learns from the
 replayed steps (CostModel.observe), as it does while serving. A new request adds --prefill-ms.
 
 Lanes: off, fixed gamma, adaptive, `adaptive-real` (the ablation AdaptivePolicy.real_token_prices: steps priced at
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -117,14 +119,17 @@ class OraclePolicy(SpeculationPolicy):
 
 
 def replay(policy: SpeculationPolicy, data: dict, table: dict, concurrency: int, *, seconds: float, noise: float,
-           prefill_ms: float, max_tokens: int, spread: float, seed: int) -> dict:
-    """One lane's closed loop for `seconds` of replayed time: tokens per second and mean width."""
+           prefill_ms: float, max_tokens: int, spread: float, seed: int, drift: float = 0.0, drift_s: float = 2.0) -> dict:
+    """One lane's closed loop for `seconds` of replayed time: tokens per second and mean width. Each step's cost
+    is the table's times exp(iid N(0, noise) + x), x the host's drift: an Ornstein-Uhlenbeck process in replayed
+    time with standard deviation `drift` and correlation time `drift_s` (0: none)."""
     prompts, outputs = data["prompts"], data["outputs"]
     lengths, noise_rng = random.Random(concurrency), np.random.default_rng(seed)  # bench_slices.py's length stream
     # what the scheduler's own _lookups and _score_proposals read, so the replay proposes and scores as it does
-    holder = SimpleNamespace(traffic_acceptance=AcceptanceStats(TRAFFIC_DECAY), draft_kind="ngram", policy=policy)
+    holder = SimpleNamespace(traffic_acceptance=AcceptanceStats(TRAFFIC_DECAY), draft_kind="ngram", policy=policy, lookup_tokens=None)
     low, high = round(max_tokens * (1 - spread)), round(max_tokens * (1 + spread))
     clock, emitted, widths, sent = 0.0, 0, [], 0
+    host = float(noise_rng.normal(0.0, drift)) if drift else 0.0  # the drift's log factor x, stationary start
 
     def new_request(client: int) -> tuple[SimpleNamespace, dict]:
         nonlocal sent, clock
@@ -157,7 +162,11 @@ def replay(policy: SpeculationPolicy, data: dict, table: dict, concurrency: int,
             if proposal:
                 state["proposals"].append((len(r.tokens), proposal, 0))
         width = max(gammas)
-        ms = step_ms(table, batch, batch + sum(gammas)) * float(np.exp(noise_rng.normal(0.0, noise)))
+        base = step_ms(table, batch, batch + sum(gammas))
+        if drift:  # the OU process over this step's duration (exact discretisation)
+            keep = math.exp(-base / (1e3 * drift_s))
+            host = host * keep + drift * math.sqrt(1.0 - keep * keep) * float(noise_rng.normal())
+        ms = base * float(np.exp(noise_rng.normal(0.0, noise) + host))
         clock += ms
         committed = 0
         for slot, (r, state, gamma, matched) in enumerate(zip(requests, states, gammas, matches)):
@@ -186,6 +195,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=300.0, help="replayed seconds per lane and seed")
     parser.add_argument("--seeds", type=int, default=3, help="noise seeds per lane (the mean is reported)")
     parser.add_argument("--noise", type=float, default=0.1, help="log-normal sigma on each step's cost")
+    parser.add_argument("--drift", type=float, default=0.0,
+                        help="standard deviation (log) of a slow host factor shared by consecutive steps (0: iid noise only)")
+    parser.add_argument("--drift-s", type=float, default=2.0, help="the drift's correlation time in replayed seconds")
     parser.add_argument("--prefill-ms", type=float, default=15.0, help="added per admitted request")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--length-spread", type=float, default=0.5)
@@ -233,7 +245,7 @@ def main() -> None:
                 runs = []
                 for seed in range(args.seeds):
                     runs.append(replay(make(lane), data, table, concurrency, seconds=args.seconds, noise=args.noise,
-                                       prefill_ms=args.prefill_ms, max_tokens=args.max_tokens, spread=args.length_spread, seed=seed))
+                                       drift=args.drift, drift_s=args.drift_s, prefill_ms=args.prefill_ms, max_tokens=args.max_tokens, spread=args.length_spread, seed=seed))
                     progress.advance(task)
                 point["lanes"][lane] = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
             results["points"].append(point)

@@ -13,12 +13,15 @@ shared out instead of sampled: for each concurrency C, one scheduler serves C cl
 pause (a client sends its next request the moment one finishes), and its speculation policy is swapped between
 steps in round-robin, one slice of `--slice-s` seconds per lane per round, the lane order rotated per round.
 Every lane thus sees the same requests in flight and the same mix of fast and slow host moments, a few seconds
-apart, over `--rounds` rounds. Each lane keeps its own policy object across its slices, so the adaptive policy
+apart, over `--rounds` rounds (`--order balanced`: a Williams design instead of the rotation, so that each lane
+follows every other equally often: a lane inherits the requests in flight and their estimates from the lane
+before it). Each lane keeps its own policy object across its slices, so the adaptive policy
 keeps learning its traffic and its costs (its cost model observes only its own steps), as a running server does.
 
 Per lane and C: throughput = tokens committed in its slices / their seconds (pooled over rounds), with a 95%
 bootstrap interval over rounds of adaptive / the lane with the best pooled throughput; the per-round paired
-ratios (slices of one round ran within seconds of each other); ITL p50 / p95 in two conventions (see
+ratios (slices of one round ran within seconds of each other); the same ratio against the best other lane chosen
+without the round it is judged on (held_out: the best of several noisy lanes is biased up); ITL p50 / p95 in two conventions (see
 inter_token_latencies): per chunk, as vLLM's benchmark counts it (the interval between a request's consecutive
 steps, one sample per request and step: every running request commits >= 1 token per decode step), and per token,
 as SGLang's does (that interval split evenly over the tokens it delivered). With speculation the two differ: a wider
@@ -87,6 +90,26 @@ class ClosedLoop:
 
 TRACE_KEYS = ("end_s", "batch", "width", "drafted", "emitted", "rows_emitted", "rows_before", "step_ms", "forward_ms",
               "prefill_tokens", "predicted_tokens", "predicted_ms", "predicted_goodputs")
+
+
+def lane_order(labels: list[str], index: int, order: str = "rotate") -> list[str]:
+    """The lanes' order in round `index` (warm-up rounds counted). rotate: a cyclic shift by `index`, so every
+    round's lanes start from a different one, but each lane always follows the same lane (the one before it in
+    the list, or the previous round's last), and inherits the requests in flight, and their estimates, from it.
+    balanced: a Williams design: round i runs (base + i) mod n with base 0, 1, n-1, 2, n-2, ..., and for odd n
+    every second block of n rounds runs those orders reversed; over 2n rounds (n for even n) every lane runs at
+    every position equally often and follows every other lane equally often (first-order carry-over balanced)."""
+    n = len(labels)
+    if order == "rotate":
+        shift = index % n
+        return labels[shift:] + labels[:shift]
+    if order != "balanced":
+        raise ValueError(f"order={order!r} is unknown: use rotate or balanced")
+    base = [0]
+    for k in range(1, n):
+        base.append((k + 1) // 2 if k % 2 else n - k // 2)
+    row = [labels[(b + index) % n] for b in base]
+    return row[::-1] if n % 2 and (index // n) % 2 else row
 
 
 def make_lane_policy(name: str, gamma: int, cost_model: CostModel | None) -> SpeculationPolicy:
@@ -194,7 +217,44 @@ def summarize(slices: list[dict], lanes: list[str], rounds: list[int], seed: int
         "best_other": best, "ratio": ratio, "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))],
         "paired_ratios": paired, "paired_median": statistics.median(paired), "met": ratio >= 0.95,
     })
+    if len(rounds) >= 2:
+        out["held_out"] = held_out(slices, others, rounds, seed)
     return out
+
+
+def held_out(slices: list[dict], others: list[str], rounds: list[int], seed: int = 0) -> dict:
+    """Adaptive against the best other lane chosen without the round it is judged on (leave one round out).
+
+    Why: `ratio` divides by the lane with the best throughput measured in the same rounds, the maximum of several
+    noisy estimates, which is biased up (the winner's curse): where the lanes are within the noise of each other
+    (C=16: off, gamma 2, 4 and 8 within 10% in run 22), adaptive / max(others) is below 1 even for a lane that
+    is as good as each of them. Here round r's comparison lane is the best of the OTHER rounds pooled, as an
+    operator who picked the setting from a benchmark would then run it, and the ratio is adaptive's pooled
+    throughput over those lanes' throughput in the rounds they were picked for. Reported next to `ratio`, not
+    instead of it; its interval resamples rounds with the picks held."""
+    sums = {(lane, r): [0, 0.0] for lane in ["adaptive", *others] for r in rounds}
+    for s in slices:
+        if (s["lane"], s["round"]) in sums:
+            sums[(s["lane"], s["round"])][0] += s["tokens"]
+            sums[(s["lane"], s["round"])][1] += s["wall_s"]
+    totals = {lane: [sum(sums[(lane, r)][i] for r in rounds) for i in (0, 1)] for lane in others}
+
+    def rest(lane: str, r: int) -> float:
+        tokens, wall = totals[lane][0] - sums[(lane, r)][0], totals[lane][1] - sums[(lane, r)][1]
+        return tokens / wall if wall else 0.0
+
+    picks = {r: max(others, key=lambda lane: rest(lane, r)) for r in rounds}
+
+    def ratio_of(chosen: list[int]) -> float:
+        adaptive = sum(sums[("adaptive", r)][0] for r in chosen) / sum(sums[("adaptive", r)][1] for r in chosen)
+        picked = sum(sums[(picks[r], r)][0] for r in chosen) / sum(sums[(picks[r], r)][1] for r in chosen)
+        return adaptive / picked
+
+    ratio = ratio_of(rounds)
+    rng = random.Random(seed)
+    boot = [ratio_of([rng.choice(rounds) for _ in rounds]) for _ in range(2000)]
+    counts = {lane: sum(1 for r in rounds if picks[r] == lane) for lane in others if any(picks[r] == lane for r in rounds)}
+    return {"ratio": ratio, "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))], "picks": counts, "met": ratio >= 0.95}
 
 
 def pool(records: list[dict]) -> list[tuple[int, dict]]:
@@ -229,6 +289,12 @@ def main() -> None:
     parser.add_argument("--slice-s", type=float, default=3.0, help="seconds per slice")
     parser.add_argument("--max-tokens", type=int, default=64, help="mean tokens per request")
     parser.add_argument("--length-spread", type=float, default=0.5, help="each request's max_tokens is uniform in max_tokens * (1 +- this)")
+    parser.add_argument("--order", choices=("rotate", "balanced"), default="rotate",
+                        help="lane order per round: rotate (a cyclic shift: each lane always follows the same one) or "
+                             "balanced (Williams: each lane follows every other equally often over 2 x lanes rounds)")
+    parser.add_argument("--full-lookups", action="store_true",
+                        help="every lane's n-gram proposals gamma-max long (Scheduler.lookup_tokens): a narrower lane's "
+                             "slice then leaves every draft position's acceptance estimate fed for the next lane")
     parser.add_argument("--keep-steps", action="store_true", help="write every step's trace record (batch, width, ms, tokens) into results.json")
     parser.add_argument("--out", type=Path, default=Path("bench/out/slices"))
     parser.add_argument("--pool", default=None, help="comma list of results.json of sweeps of the same code: print adaptive / best other over all their rounds (no run)")
@@ -278,13 +344,13 @@ def main() -> None:
     with Progress(console=console) as progress:
         task = progress.add_task("slices", total=total)
         for concurrency in concurrencies:
-            scheduler = Scheduler(target, "ngram", None, num_slots=concurrency, max_seq_len=max_seq_len, max_waiting=concurrency)
+            scheduler = Scheduler(target, "ngram", None, num_slots=concurrency, max_seq_len=max_seq_len, max_waiting=concurrency,
+                                  lookup_tokens=args.gamma_max if args.full_lookups else None)
             policies = {label: make_lane_policy(name, gamma, cost_model) for name, label, gamma in parsed}
             loop = ClosedLoop(scheduler, prompts, concurrency, args.max_tokens, args.length_spread, seed=concurrency)
             slices = []
             for index in range(args.warmup_rounds + args.rounds):
-                shift = index % len(labels)
-                for label in labels[shift:] + labels[:shift]:
+                for label in lane_order(labels, index, args.order):
                     scheduler.policy = policies[label]
                     slices.append({"lane": label, "round": index - args.warmup_rounds, **run_slice(scheduler, args.slice_s)})
                     progress.advance(task)
@@ -352,7 +418,18 @@ def line(concurrency: int, summary: dict) -> str:
     return (
         f"C={concurrency}: {speeds} tok/s; adaptive / best other ({summary['best_other']}) = {summary['ratio']:.3f}x "
         f"[95% CI {low:.3f}-{high:.3f}], paired per round median {summary['paired_median']:.3f} "
-        f"{'met' if summary['met'] else 'MISSED'} (goal >= 0.95)"
+        f"{'met' if summary['met'] else 'MISSED'} (goal >= 0.95){held_out_text(summary)}"
+    )
+
+
+def held_out_text(summary: dict) -> str:
+    if "held_out" not in summary:
+        return ""
+    h = summary["held_out"]
+    picks = ", ".join(f"{lane} {n}" for lane, n in h["picks"].items())
+    return (
+        f"; against the best other chosen on the other rounds ({picks} rounds): {h['ratio']:.3f}x "
+        f"[{h['ci95'][0]:.3f}-{h['ci95'][1]:.3f}] {'met' if h['met'] else 'MISSED'}"
     )
 
 

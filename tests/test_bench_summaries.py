@@ -282,3 +282,54 @@ def test_slices_step_table_groups_full_batch_decode_steps_by_width():
     assert rows[3] == "| 2 | fixed g=4 | 4 | 1 | 60.0 | 57.0 | 3.00 | 8.00 | 0.1333 | - |" and len(rows) == 4
     with pytest.raises(SystemExit, match="keep-steps"):
         bench.step_table({"points": [{"concurrency": 2, "slices": [{"lane": "off", "round": 0, "tokens": 1}]}]})
+
+
+def test_slices_held_out_ratio_picks_the_best_lane_of_the_other_rounds():
+    """bench_slices.held_out: round r is judged against the lane with the best throughput over the other rounds.
+    Two fixed lanes that trade places with the noise (each 330 in two rounds, 270 in the third) and an adaptive lane
+    at 300 throughout: the best lane of all rounds measures 930 / 9 s, so `ratio` = 900 / 930 < 1 (and < 0.97),
+    while the lane an operator would have picked from the other rounds made 870 tokens in the rounds it was picked
+    for, so held_out = 900 / 870 > 1. A negative control: with one lane better in every round (the noise does not
+    decide), the held-out pick is that lane in every round and both ratios agree."""
+    bench = load("bench_slices")
+    slices = []
+    for r, (a, b) in enumerate([(330, 330), (330, 270), (270, 330)]):
+        slices += [slice_row("fixed g=2", r, a, 3.0), slice_row("fixed g=4", r, b, 3.0), slice_row("adaptive", r, 300, 3.0)]
+    summary = bench.summarize(slices, ["fixed g=2", "fixed g=4", "adaptive"], [0, 1, 2])
+    assert summary["best_other"] == "fixed g=2" and summary["ratio"] == pytest.approx(900 / 930)
+    # round 0: both others tie elsewhere (600 each) -> the first, g=2 (330); round 1: g=4 wins rounds 0, 2 (660 vs
+    # 600) -> g=4 (270); round 2: g=2 wins rounds 0, 1 (660 vs 600) -> g=2 (270)
+    held = summary["held_out"]
+    assert held["picks"] == {"fixed g=2": 2, "fixed g=4": 1}
+    assert held["ratio"] == pytest.approx(900 / (330 + 270 + 270)) and held["met"]
+    low, high = held["ci95"]
+    assert low <= held["ratio"] <= high
+    clear = [dict(s, tokens=s["tokens"] + 100) if s["lane"] == "fixed g=2" else s for s in slices]
+    control = bench.summarize(clear, ["fixed g=2", "fixed g=4", "adaptive"], [0, 1, 2])
+    assert control["held_out"]["picks"] == {"fixed g=2": 3}
+    assert control["held_out"]["ratio"] == pytest.approx(control["ratio"]) and not control["held_out"]["met"]
+    assert "chosen on the other rounds (fixed g=2 3 rounds)" in bench.line(16, control)
+
+
+def test_slices_balanced_order_balances_positions_and_predecessors():
+    """bench_slices.lane_order: with the default rotation, each lane always follows the same lane (what the
+    balanced order fixes: the lane after fixed gamma 8 inherited its requests in flight every round); balanced
+    (Williams) puts every lane at every position and after every other lane equally often, over 2n rounds for odd n
+    and n for even n, for n = 2..6; and an unknown order is refused."""
+    from collections import Counter
+
+    bench = load("bench_slices")
+    labels = ["off", "fixed g=2", "fixed g=4", "fixed g=8", "adaptive"]
+    rotated = [bench.lane_order(labels, i) for i in range(10)]
+    assert all(sorted(r) == sorted(labels) for r in rotated)
+    assert {a for r in rotated for a, b in zip(r, r[1:]) if b == "adaptive"} == {"fixed g=8"}
+    for n in range(2, 7):
+        names = [f"l{i}" for i in range(n)]
+        rounds = [bench.lane_order(names, i, "balanced") for i in range(2 * n if n % 2 else n)]
+        assert all(sorted(r) == names for r in rounds)
+        positions = Counter((r.index(lane), lane) for r in rounds for lane in r)
+        follows = Counter((a, b) for r in rounds for a, b in zip(r, r[1:]))
+        assert len(positions) == n * n and len(set(positions.values())) == 1
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+    with pytest.raises(ValueError, match="order='random'"):
+        bench.lane_order(labels, 0, "random")

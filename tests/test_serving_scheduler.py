@@ -348,3 +348,29 @@ def test_adaptive_cost_model_learns_from_every_decode_step(tiny_target):
     assert first["batch"] <= first["predicted_tokens"] <= first["batch"] * 9
     assert first["predicted_ms"] > 0 and len(first["predicted_goodputs"]) >= first["width"] + 1
     assert first["predicted_tokens"] / first["predicted_ms"] == pytest.approx(first["predicted_goodputs"][first["width"]], rel=1e-3)
+
+
+def test_lookup_tokens_sets_the_proposal_length_whatever_the_policy_drafts(tiny_target, monkeypatch):
+    """lookup_tokens: n-gram proposals of that length are made and scored with a narrower policy (fixed gamma 2
+    verifies 2 drafts of them), so the estimates get evidence past position 2 (up to each first miss); without it (negative control) a
+    gamma-2 policy's proposals stop at 2 and positions 3.. have none. The output is the same either way (exact),
+    and a bad value is refused with its name."""
+    prompt = torch.cat([torch.tensor([1]), torch.tensor([40, 41, 42, 43, 44, 45]).repeat(5)])
+    asked: list[int] = []
+    propose = NgramDrafter.propose
+    monkeypatch.setattr(NgramDrafter, "propose", lambda self, context, k: asked.append(k) or propose(self, context, k))
+    runs, lengths = {}, {}
+    for lookup in (None, 8):
+        asked.clear()
+        scheduler = Scheduler(tiny_target, draft="ngram", policy=FixedPolicy(2), num_slots=1, max_seq_len=96, lookup_tokens=lookup)
+        request = scheduler.submit(Request(prompt, GREEDY, max_tokens=30, ignore_eos=True))
+        scheduler.run_until_idle()
+        runs[lookup], lengths[lookup] = (request, scheduler.traffic_acceptance), max(asked)
+        assert max(request.stats.gammas) <= 2
+    assert runs[None][0].tokens == runs[8][0].tokens == reference_tokens(tiny_target, prompt, 30)
+    assert runs[None][1].tested[2:].sum() == 0.0, "gamma 2's own proposals: no evidence past position 2"
+    assert lengths == {None: 2, 8: 8}
+    assert runs[8][1].tested[2:].sum() > 0.0 and runs[8][1].tested[8:].sum() == 0.0  # decided up to each first miss
+    for bad in (0, 65, 2.5, True):
+        with pytest.raises(ValueError, match=f"lookup_tokens={bad!r}"):
+            Scheduler(tiny_target, draft="ngram", lookup_tokens=bad)

@@ -65,7 +65,7 @@ from specgate.engine.generate import OutputText, eos_token_ids
 from specgate.models import native
 from specgate.models.transformer import LogitsBuffer
 from specgate.sampling import SamplingParams, greedy_verify, logits_to_probs, rejection_sample, verify
-from specgate.serving.acceptance import FLAT_PRIOR, TRAFFIC_DECAY, AcceptanceStats
+from specgate.serving.acceptance import FLAT_PRIOR, MAX_POSITIONS, TRAFFIC_DECAY, AcceptanceStats
 from specgate.serving.policy import SpeculationPolicy
 
 # Acceptance estimates (specgate.serving.acceptance): per request and per draft position, blended with the
@@ -252,7 +252,11 @@ class Scheduler:
     a slot beyond the running ones. metrics: an object with the specgate.serving.metrics.ServingMetrics hooks,
     or None. lossy: a specgate.sampling.lossy mode replacing exact verification (LOSSY; its steps are counted
     under lossless="false" in the metrics), or None (exact). prefill_chunk_tokens: most prompt tokens
-    prefilled per step, over all admitted requests (>= 1).
+    prefilled per step, over all admitted requests (>= 1). lookup_tokens: with n-gram drafts, the length of
+    every lookup proposal (scored against the output for the acceptance estimates, whatever the policy drafts of
+    it); None: the policy's max gamma (>= 1). A benchmark that swaps policies on one scheduler sets it to the
+    adaptive policy's gamma_max, so that a narrower policy's steps do not leave the deep positions' estimates
+    without evidence for the adaptive one (bench/bench_slices.py).
     """
 
     def __init__(
@@ -267,6 +271,7 @@ class Scheduler:
         metrics: Any = None,
         lossy: Any = None,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        lookup_tokens: int | None = None,
     ) -> None:
         from specgate.serving.policy import OffPolicy
 
@@ -276,6 +281,8 @@ class Scheduler:
             raise ValueError(f"max_waiting={max_waiting} must be >= 0 (--max-waiting: requests queued for a slot)")
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1 (prompt tokens prefilled per step)")
+        if lookup_tokens is not None and (isinstance(lookup_tokens, bool) or not isinstance(lookup_tokens, int) or not 1 <= lookup_tokens <= MAX_POSITIONS):
+            raise ValueError(f"lookup_tokens={lookup_tokens!r} must be None (the policy's max gamma) or an integer in 1..{MAX_POSITIONS} (n-gram proposal length)")
         limit = int(target.model.max_position_embeddings)
         if not 2 <= max_seq_len <= limit:
             raise ValueError(f"max_seq_len={max_seq_len} is out of range 2..{limit} (the target's context): lower --max-seq-len")
@@ -283,6 +290,7 @@ class Scheduler:
         self.policy = policy or OffPolicy()
         self.num_slots, self.max_seq_len, self.max_waiting = num_slots, max_seq_len, max_waiting
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.lookup_tokens = lookup_tokens
         self._logits = LogitsBuffer(target.model.vocab_size)  # the step's target logits, one block kept across steps
         self.metrics = metrics
         if lossy is not None and not callable(getattr(lossy, "verify", None)):
@@ -526,10 +534,11 @@ class Scheduler:
         return on_text
 
     def _lookups(self, running: list[Request], states: list[dict], budgets: list[int]) -> list[list[int]] | None:
-        """n-gram drafter: every row's proposal up to the policy's max gamma (>= 1 to keep learning); else None."""
+        """n-gram drafter: every row's proposal up to lookup_tokens, default the policy's max gamma (>= 1 to keep
+        learning); else None."""
         if self.draft_kind != "ngram":
             return None
-        longest = self.policy.max_gamma
+        longest = self.policy.max_gamma if self.lookup_tokens is None else self.lookup_tokens
         return [
             state["ngram"].propose(state["context"][: state["length"]], max(1, min(longest, budget))).tokens.tolist()
             for state, budget in zip(states, budgets)
