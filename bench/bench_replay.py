@@ -14,6 +14,9 @@ that many real tokens (batch + drafts: the C stack runs only a step's real token
 Ornstein-Uhlenbeck process in replayed time, as this VM's speed wanders). The adaptive lane's cost model starts from the calibration recorded in that trace and learns from the
 replayed steps (CostModel.observe), as it does while serving. A new request adds --prefill-ms.
 
+With --sliced S the lanes take turns on one loop, S seconds each per round, as bench_slices.py runs them on the
+machine (replay_lanes): they hand each other the requests in flight and the acceptance estimates.
+
 Lanes: off, fixed gamma, adaptive, `adaptive-real` (the ablation AdaptivePolicy.real_token_prices: steps priced at
 their real tokens), `adaptive-cut` (real-token prices and AdaptivePolicy.cut_rows: with lookup drafts a width may
 leave rows out on their estimates), and `oracle`, which knows each row's true match length and runs the width with
@@ -118,18 +121,39 @@ class OraclePolicy(SpeculationPolicy):
         return [min(best, cap) for cap in caps]
 
 
-def replay(policy: SpeculationPolicy, data: dict, table: dict, concurrency: int, *, seconds: float, noise: float,
-           prefill_ms: float, max_tokens: int, spread: float, seed: int, drift: float = 0.0, drift_s: float = 2.0) -> dict:
-    """One lane's closed loop for `seconds` of replayed time: tokens per second and mean width. Each step's cost
-    is the table's times exp(iid N(0, noise) + x), x the host's drift: an Ornstein-Uhlenbeck process in replayed
-    time with standard deviation `drift` and correlation time `drift_s` (0: none)."""
+def replay(policy: SpeculationPolicy, data: dict, table: dict, concurrency: int, **kwargs) -> dict:
+    """One lane's closed loop for `seconds` of replayed time: tokens per second and mean width (replay_lanes)."""
+    return replay_lanes({"lane": policy}, data, table, concurrency, **kwargs)["lane"]
+
+
+def replay_lanes(policies: dict[str, SpeculationPolicy], data: dict, table: dict, concurrency: int, *, seconds: float,
+                 noise: float, prefill_ms: float, max_tokens: int, spread: float, seed: int, drift: float = 0.0,
+                 drift_s: float = 2.0, slice_s: float | None = None, order: str = "rotate", lookup_tokens: int | None = None) -> dict:
+    """The closed loop for `seconds` of replayed time per lane: per lane, tokens per second and mean width.
+
+    One lane (slice_s None): it serves alone. Several (slice_s seconds): they take turns on ONE loop, as in
+    bench_slices.py, one slice each per round in lane_order(order), handing each other the requests in flight and
+    the acceptance estimates; a lane's throughput is the tokens committed in its slices over their time (prefills
+    counted in the slice they fall in). lookup_tokens: Scheduler.lookup_tokens (None: the running lane's max gamma).
+    Each step's cost is the table's times exp(iid N(0, noise) + x), x the host's drift: an Ornstein-Uhlenbeck
+    process in replayed time with standard deviation `drift` and correlation time `drift_s` (0: none)."""
+    from bench_slices import lane_order
+
+    labels = list(policies)
+    if slice_s is None and len(labels) != 1:
+        raise ValueError(f"{len(labels)} lanes need slice_s (seconds per slice) to take turns on one loop")
     prompts, outputs = data["prompts"], data["outputs"]
     lengths, noise_rng = random.Random(concurrency), np.random.default_rng(seed)  # bench_slices.py's length stream
     # what the scheduler's own _lookups and _score_proposals read, so the replay proposes and scores as it does
-    holder = SimpleNamespace(traffic_acceptance=AcceptanceStats(TRAFFIC_DECAY), draft_kind="ngram", policy=policy, lookup_tokens=None)
+    holder = SimpleNamespace(traffic_acceptance=AcceptanceStats(TRAFFIC_DECAY), draft_kind="ngram", policy=None, lookup_tokens=lookup_tokens)
     low, high = round(max_tokens * (1 - spread)), round(max_tokens * (1 + spread))
-    clock, emitted, widths, sent = 0.0, 0, [], 0
+    clock, sent = 0.0, 0
+    totals = {label: {"emitted": 0, "ms": 0.0, "widths": []} for label in labels}
     host = float(noise_rng.normal(0.0, drift)) if drift else 0.0  # the drift's log factor x, stationary start
+    turn, slice_end = 0, (slice_s or seconds) * 1e3
+
+    def lane_of(turn: int) -> str:  # the turn-th slice's lane: round turn // n, place turn % n
+        return lane_order(labels, turn // len(labels), order)[turn % len(labels)]
 
     def new_request(client: int) -> tuple[SimpleNamespace, dict]:
         nonlocal sent, clock
@@ -143,7 +167,14 @@ def replay(policy: SpeculationPolicy, data: dict, table: dict, concurrency: int,
         return request, {"proposals": [], "ngram": NgramDrafter(), "context": context, "length": len(prompts[index])}
 
     running = [new_request(client) for client in range(concurrency)]  # slot i serves client i
-    while clock < seconds * 1e3:
+    if slice_s is None:
+        totals[labels[0]]["ms"] = clock  # the first prefills: the lone lane's time
+    while clock < seconds * 1e3 * len(labels):
+        if clock >= slice_end:  # the next lane's turn
+            turn, slice_end = turn + 1, clock + slice_s * 1e3
+        label = lane_of(turn)
+        policy, mine, started = policies[label], totals[label], clock
+        holder.policy = policy
         batch = len(running)
         requests, states = [r for r, _ in running], [state for _, state in running]
         budgets = [r.max_tokens - len(r.tokens) - 1 for r in requests]
@@ -181,9 +212,14 @@ def replay(policy: SpeculationPolicy, data: dict, table: dict, concurrency: int,
             if final:  # the client sends its next request at once (closed loop)
                 running[slot] = new_request(slot)
         policy.observe_step(batch, width + 1, ms, committed, drafted=sum(gammas))
-        emitted += committed
-        widths.append(width)
-    return {"throughput_tok_s": emitted / clock * 1e3, "mean_width": statistics.fmean(widths), "steps": len(widths)}
+        mine["emitted"] += committed
+        mine["ms"] += clock - started
+        mine["widths"].append(width)
+    return {
+        label: {"throughput_tok_s": t["emitted"] / t["ms"] * 1e3 if t["ms"] else 0.0,
+                "mean_width": statistics.fmean(t["widths"]) if t["widths"] else 0.0, "steps": len(t["widths"])}
+        for label, t in totals.items()
+    }
 
 
 def main() -> None:
@@ -198,6 +234,10 @@ def main() -> None:
     parser.add_argument("--drift", type=float, default=0.0,
                         help="standard deviation (log) of a slow host factor shared by consecutive steps (0: iid noise only)")
     parser.add_argument("--drift-s", type=float, default=2.0, help="the drift's correlation time in replayed seconds")
+    parser.add_argument("--sliced", type=float, default=None,
+                        help="seconds per slice: the lanes take turns on one loop as in bench_slices.py (default: each lane alone)")
+    parser.add_argument("--order", choices=("rotate", "balanced"), default="rotate", help="with --sliced: bench_slices.py's lane order")
+    parser.add_argument("--full-lookups", action="store_true", help="with --sliced: every lane's lookups gamma-max long (bench_slices.py)")
     parser.add_argument("--prefill-ms", type=float, default=15.0, help="added per admitted request")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--length-spread", type=float, default=0.5)
@@ -241,6 +281,16 @@ def main() -> None:
             if concurrency not in table:
                 raise SystemExit(f"--costs has no full-batch steps at concurrency {concurrency}: measure it with bench_slices.py first")
             point = {"concurrency": concurrency, "lanes": {}}
+            if args.sliced:  # all lanes on one loop, one run per seed
+                runs = [replay_lanes({lane: make(lane) for lane in lanes}, data, table, concurrency, seconds=args.seconds,
+                                     noise=args.noise, drift=args.drift, drift_s=args.drift_s, prefill_ms=args.prefill_ms,
+                                     max_tokens=args.max_tokens, spread=args.length_spread, seed=seed, slice_s=args.sliced,
+                                     order=args.order, lookup_tokens=args.gamma_max if args.full_lookups else None)
+                        for seed in range(args.seeds)]
+                progress.advance(task, len(lanes) * args.seeds)
+                point["lanes"] = {lane: {k: statistics.fmean(r[lane][k] for r in runs) for k in runs[0][lane]} for lane in lanes}
+                results["points"].append(point)
+                continue
             for lane in lanes:
                 runs = []
                 for seed in range(args.seeds):

@@ -333,3 +333,25 @@ def test_slices_balanced_order_balances_positions_and_predecessors():
         assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
     with pytest.raises(ValueError, match="order='random'"):
         bench.lane_order(labels, 0, "random")
+
+
+def test_replay_lanes_take_turns_on_one_loop():
+    """bench_replay.replay_lanes with slices: the lanes share one loop (one request stream), each runs its slices
+    and is credited with their tokens and time only. Off and fixed gamma 4 sliced: each lane's throughput is its
+    own price (off: 2 tokens per 20 ms step exactly, as alone), both get about `seconds` of time, and gamma 4
+    still beats off; several lanes without slices are refused (they could not share one loop)."""
+    bench = load("bench_replay")
+    pattern = list(range(10, 20))
+    data = {"prompts": [pattern + pattern[:3]], "outputs": [pattern[3:] + pattern * 12]}
+    table = {2: ([2, 4, 6, 10, 18], [20.0, 24.0, 28.0, 40.0, 80.0])}
+    common = {"seconds": 30.0, "noise": 0.0, "prefill_ms": 0.0, "max_tokens": 40, "spread": 0.0, "seed": 0}
+    lanes = {"off": bench.make_policy("off"), "fixed g=4": bench.make_policy("fixed", gamma=4)}
+    out = bench.replay_lanes(lanes, data, table, 2, slice_s=1.0, order="balanced", **common)
+    alone = bench.replay(bench.make_policy("fixed", gamma=4), data, table, 2, **common)
+    assert out["off"]["throughput_tok_s"] == pytest.approx(2 / 20.0 * 1e3) and out["off"]["mean_width"] == 0.0
+    assert out["fixed g=4"]["throughput_tok_s"] > 2.0 * out["off"]["throughput_tok_s"]
+    assert out["fixed g=4"]["throughput_tok_s"] == pytest.approx(alone["throughput_tok_s"], rel=0.1)
+    steps = {lane: v["steps"] for lane, v in out.items()}
+    assert steps["off"] * 20.0 == pytest.approx(30e3, rel=0.05)  # its ~30 s, in 1 s slices
+    with pytest.raises(ValueError, match="2 lanes need slice_s"):
+        bench.replay_lanes(lanes, data, table, 2, **common)
