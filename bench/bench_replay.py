@@ -281,23 +281,16 @@ def main() -> None:
             if concurrency not in table:
                 raise SystemExit(f"--costs has no full-batch steps at concurrency {concurrency}: measure it with bench_slices.py first")
             point = {"concurrency": concurrency, "lanes": {}}
-            if args.sliced:  # all lanes on one loop, one run per seed
-                runs = [replay_lanes({lane: make(lane) for lane in lanes}, data, table, concurrency, seconds=args.seconds,
-                                     noise=args.noise, drift=args.drift, drift_s=args.drift_s, prefill_ms=args.prefill_ms,
-                                     max_tokens=args.max_tokens, spread=args.length_spread, seed=seed, slice_s=args.sliced,
-                                     order=args.order, lookup_tokens=args.gamma_max if args.full_lookups else None)
-                        for seed in range(args.seeds)]
-                progress.advance(task, len(lanes) * args.seeds)
-                point["lanes"] = {lane: {k: statistics.fmean(r[lane][k] for r in runs) for k in runs[0][lane]} for lane in lanes}
-                results["points"].append(point)
-                continue
-            for lane in lanes:
+            # --sliced: all lanes take turns on one loop; else each lane alone. One run per seed, means per lane.
+            for group in [lanes] if args.sliced else [[lane] for lane in lanes]:
                 runs = []
                 for seed in range(args.seeds):
-                    runs.append(replay(make(lane), data, table, concurrency, seconds=args.seconds, noise=args.noise,
-                                       drift=args.drift, drift_s=args.drift_s, prefill_ms=args.prefill_ms, max_tokens=args.max_tokens, spread=args.length_spread, seed=seed))
-                    progress.advance(task)
-                point["lanes"][lane] = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
+                    runs.append(replay_lanes({lane: make(lane) for lane in group}, data, table, concurrency, seconds=args.seconds,
+                                             noise=args.noise, drift=args.drift, drift_s=args.drift_s, prefill_ms=args.prefill_ms,
+                                             max_tokens=args.max_tokens, spread=args.length_spread, seed=seed, slice_s=args.sliced,
+                                             order=args.order, lookup_tokens=args.gamma_max if args.full_lookups and args.sliced else None))
+                    progress.advance(task, len(group))
+                point["lanes"].update({lane: {k: statistics.fmean(r[lane][k] for r in runs) for k in runs[0][lane]} for lane in group})
             results["points"].append(point)
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     console.print("| C | " + " | ".join(lanes) + " | adaptive / best fixed | adaptive / oracle |")
