@@ -19,7 +19,8 @@ machine (replay_lanes): they hand each other the requests in flight and the acce
 
 Lanes: off, fixed gamma, adaptive, `adaptive-real` (the ablation AdaptivePolicy.real_token_prices: steps priced at
 their real tokens), `adaptive-cut` (real-token prices and AdaptivePolicy.cut_rows: with lookup drafts a width may
-leave rows out on their estimates), and `oracle`, which knows each row's true match length and runs the width with
+leave rows out on their estimates), `adaptive-cells` (real-token prices whose live correction is learnt per real-token
+count, CostModel.real_cells), and `oracle`, which knows each row's true match length and runs the width with
 the most true tokens per true ms this step: the bound of any rule that picks one width per step from this step's
 prospects. It is not a policy (the future is not known while serving); it says how much of the gap to it is the
 acceptance estimates'. The greedy outputs are generated once with the target alone (--target) and kept in --out.
@@ -49,7 +50,7 @@ from bench_serving import PROMPTS, resolve_dtype  # noqa: E402
 from specgate.drafting import NgramDrafter  # noqa: E402
 from specgate.serving import Scheduler, make_policy  # noqa: E402
 from specgate.serving.acceptance import FLAT_PRIOR, TRAFFIC_DECAY, AcceptanceStats  # noqa: E402
-from specgate.serving.policy import CostModel, SpeculationPolicy, monotone  # noqa: E402
+from specgate.serving.policy import AdaptivePolicy, CostModel, SpeculationPolicy, monotone  # noqa: E402
 
 
 def greedy_outputs(target_name: str, dtype: str, length: int) -> dict:
@@ -263,16 +264,16 @@ def main() -> None:
     def make(lane: str) -> SpeculationPolicy:
         if lane == "oracle":
             return OraclePolicy(args.gamma_max, table)
-        if lane in ("adaptive", "adaptive-real", "adaptive-cut"):  # the ablations: real-token prices, and rows cut too
-            policy = make_policy("adaptive", gamma=args.gamma_max, cost_model=monotone(CostModel(target_ms=dict(calibration))))
-            policy.real_token_prices = lane != "adaptive"
+        if lane in ("adaptive", "adaptive-real", "adaptive-cut", "adaptive-cells"):  # real-token prices, rows cut too, cells by real tokens
+            cost = monotone(CostModel(target_ms=dict(calibration), real_cells=lane == "adaptive-cells"))
+            policy = AdaptivePolicy(cost, gamma_max=args.gamma_max, real_token_prices=lane != "adaptive")
             policy.cut_rows = lane == "adaptive-cut"
             return policy
         if lane.startswith("fixed="):
             return make_policy("fixed", gamma=int(lane.split("=")[1]))
         if lane == "off":
             return make_policy("off")
-        raise SystemExit(f"--lanes entry {lane!r} is unknown: use off, fixed=G, adaptive, adaptive-real, adaptive-cut or oracle")
+        raise SystemExit(f"--lanes entry {lane!r} is unknown: use off, fixed=G, adaptive, adaptive-real, adaptive-cut, adaptive-cells or oracle")
 
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "points": []}
     with Progress(console=console) as progress:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import random
@@ -71,17 +72,20 @@ class ClosedLoop:
         self.rng = random.Random(seed)
         self.sent = 0
         self.finished = 0
+        self.issued: dict[str, list[int]] = {}  # request_id -> [prompt index, max_tokens] (the traces name rows by id)
         for client in range(concurrency):
             self.submit(client)
 
     def submit(self, client: int) -> None:
-        prompt = self.prompts[(client + self.sent) % len(self.prompts)]
+        index = (client + self.sent) % len(self.prompts)
+        prompt = self.prompts[index]
         low, high = round(self.max_tokens * (1 - self.spread)), round(self.max_tokens * (1 + self.spread))
         length = max(1, self.rng.randint(low, high))  # varied lengths: clients do not finish (and prefill) in waves
         request = Request(prompt, SamplingParams(temperature=0.0), max_tokens=length, ignore_eos=True, seed=self.sent)
         request.sink = lambda event, client=client: self.done(client) if event[0] == "done" else None
         self.sent += 1
         self.scheduler.submit(request)
+        self.issued[request.request_id] = [index, length]
 
     def done(self, client: int) -> None:  # called on this thread, inside scheduler.step()
         self.finished += 1
@@ -89,7 +93,8 @@ class ClosedLoop:
 
 
 TRACE_KEYS = ("end_s", "batch", "width", "drafted", "emitted", "rows_emitted", "rows_before", "step_ms", "forward_ms",
-              "prefill_tokens", "predicted_tokens", "predicted_ms", "predicted_goodputs")
+              "prefill_tokens", "predicted_tokens", "predicted_ms", "predicted_goodputs", "rows_id", "rows_caps", "rows_drafts",
+              "predicted_plans")
 
 
 def lane_order(labels: list[str], index: int, order: str = "rotate") -> list[str]:
@@ -117,9 +122,12 @@ def make_lane_policy(name: str, gamma: int, cost_model: CostModel | None) -> Spe
     its real tokens, not its padded rectangle), on its own copy of the calibration, so the two adaptive lanes of
     one sweep are an A/B of the price alone (each learns from its own steps). bench/out/slices_ab23 ran this A/B
     at commit e540f22, where the real-token price was the default (lane `adaptive`) and the padded one the lane
-    `adaptive-padded`."""
+    `adaptive-padded`. `adaptive-cells`: real-token prices whose live correction is learnt per real-token count
+    (CostModel.real_cells), on a fresh model of the same calibration."""
     if name == "adaptive-real":
         return AdaptivePolicy(copy.deepcopy(cost_model), gamma_max=gamma, real_token_prices=True)
+    if name == "adaptive-cells":  # real-token prices learnt per real-token count (CostModel.real_cells), its own model
+        return AdaptivePolicy(dataclasses.replace(cost_model, real_cells=True), gamma_max=gamma, real_token_prices=True)
     return make_policy(name, gamma=gamma, cost_model=cost_model)
 
 
@@ -257,10 +265,12 @@ def held_out(slices: list[dict], others: list[str], rounds: list[int], seed: int
     return {"ratio": ratio, "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))], "picks": counts, "met": ratio >= 0.95}
 
 
-def pool(records: list[dict]) -> list[tuple[int, dict]]:
+def pool(records: list[dict], judge: str | None = None) -> list[tuple[int, dict]]:
     """Sweeps of the same code pooled: per concurrency that every record has, their measured slices together
     (rounds renumbered, so a bootstrap resamples the rounds of all of them), summarized again. Throughput and
-    the ratio, and ITL where the records kept their traces (--keep-steps, this version's trace fields)."""
+    the ratio, and ITL where the records kept their traces (--keep-steps, this version's trace fields).
+    judge: in an A/B sweep with several adaptive lanes, the one judged (as `adaptive`) against the other lanes
+    but the other adaptive ones, which are left out (None: every lane as recorded)."""
     by_c: dict[int, list[dict]] = {}
     counts: dict[int, int] = {}
     lanes: dict[int, list[str]] = {}
@@ -269,9 +279,16 @@ def pool(records: list[dict]) -> list[tuple[int, dict]]:
             c = point["concurrency"]
             offset = counts.get(c, 0)
             measured = [s for s in point["slices"] if s["round"] >= 0]
+            names = list(point["summary"]["lanes"])
+            if judge is not None:
+                if judge not in names:
+                    raise SystemExit(f"--judge {judge!r} is not a lane of this sweep: its lanes are {', '.join(names)}")
+                rename = {lane: "adaptive" if lane == judge else lane for lane in names if lane == judge or not lane.startswith("adaptive")}
+                measured = [{**s, "lane": rename[s["lane"]]} for s in measured if s["lane"] in rename]
+                names = list(rename.values())
             by_c.setdefault(c, []).extend({**s, "round": s["round"] + offset} for s in measured)
             counts[c] = offset + 1 + max(s["round"] for s in measured)
-            lanes.setdefault(c, list(point["summary"]["lanes"]))
+            lanes.setdefault(c, names)
     present = [c for c in by_c if all(any(p["concurrency"] == c for p in r["points"]) for r in records)]
     return [(c, summarize(by_c[c], lanes[c], list(range(counts[c])))) for c in sorted(present)]
 
@@ -283,7 +300,8 @@ def main() -> None:
     parser.add_argument("--gamma-max", type=int, default=8, help="adaptive lane's gamma_max")
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--lanes", default="off,fixed=2,fixed=4,fixed=8,adaptive",
-                        help="comma list of off, fixed=G, adaptive, adaptive-real (the ablation AdaptivePolicy.real_token_prices)")
+                        help="comma list of off, fixed=G, adaptive, adaptive-real (the ablation AdaptivePolicy.real_token_prices), "
+                             "adaptive-cells (real-token prices learnt per real-token count, CostModel.real_cells)")
     parser.add_argument("--rounds", type=int, default=10, help="measured rounds per concurrency (one slice per lane each)")
     parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and left out (prefill wave, first learning)")
     parser.add_argument("--slice-s", type=float, default=3.0, help="seconds per slice")
@@ -298,11 +316,13 @@ def main() -> None:
     parser.add_argument("--keep-steps", action="store_true", help="write every step's trace record (batch, width, ms, tokens) into results.json")
     parser.add_argument("--out", type=Path, default=Path("bench/out/slices"))
     parser.add_argument("--pool", default=None, help="comma list of results.json of sweeps of the same code: print adaptive / best other over all their rounds (no run)")
+    parser.add_argument("--judge", default=None,
+                        help="with --pool, an A/B sweep's adaptive lane to judge (e.g. adaptive-cells) against the non-adaptive lanes")
     parser.add_argument("--table", type=Path, default=None, help="print the markdown table of an existing results.json and plot it into --out (no run)")
     parser.add_argument("--steps", type=Path, default=None, help="per-width table of the full-batch decode steps of a --keep-steps results.json (no run)")
     args = parser.parse_args()
     if args.pool:
-        for concurrency, summary in pool([json.loads(Path(f).read_text()) for f in args.pool.split(",")]):
+        for concurrency, summary in pool([json.loads(Path(f).read_text()) for f in args.pool.split(",")], args.judge):
             print(line(concurrency, summary))
             itl = [
                 f"{lane} {ms(v['itl_p50_ms'])}/{ms(v['itl_p95_ms'])} chunk, {ms(v['itl_token_p50_ms'], 1)}/{ms(v['itl_token_p95_ms'], 1)}/{ms(v['itl_token_mean_ms'], 1)} token"
@@ -359,6 +379,7 @@ def main() -> None:
             policy = policies.get("adaptive")
             record["points"].append({
                 "concurrency": concurrency, "summary": summary, "requests_finished": loop.finished,
+                "requests": loop.issued if args.keep_steps else None,
                 "adaptive": policy.describe() if policy is not None else None,
                 "slices": [
                     {k: v for k, v in s.items() if k not in ("itl_ms", "itl_token_ms", "widths") and (k != "trace" or args.keep_steps)}

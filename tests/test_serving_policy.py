@@ -70,7 +70,7 @@ def test_adaptive_speculates_alone_and_stops_under_heavy_batch_cost():
     assert policy.choose([]) == []
 
 
-@pytest.mark.parametrize("real", [False, True])
+@pytest.mark.parametrize("real", [False, True, "cells"])
 @pytest.mark.parametrize("seed", range(6))
 def test_adaptive_choice_is_the_best_gamma_vector(seed, real):
     """Against an exhaustive search of small random batches, priced as the policy prices them. The padded price
@@ -80,12 +80,18 @@ def test_adaptive_choice_is_the_best_gamma_vector(seed, real):
     (lookup) drafts the policy searches the plans "every row drafts min(width, cap)", one per width, and must find
     the best of them exactly (and the same incumbent rules hold); with a draft model its search (per width, the k
     rows of most expected extra tokens) is a heuristic on that price, within DRAFT_MODEL_GAP of the best vector
-    (1000 random cases of this test's kind: 30 missed the best, the worst by 2.6%)."""
+    (1000 random cases of this test's kind: 30 missed the best, the worst by 2.6%). "cells": real-token prices whose
+    live correction is learnt per real-token count (CostModel.real_cells), after random steps have moved it: the
+    policy's vectorised prices must be the model's own (CostModel.target_step_ms) for every plan."""
     rng = np.random.default_rng(seed)
     for _ in range(25):
         batch, gamma_max = int(rng.integers(1, 5)), 4
         draft_1 = float(rng.choice([0.0, 5.0, 20.0, 60.0]))
-        cost = CostModel(ANCHOR_MS, draft_ms={1: draft_1, 16: draft_1 * float(rng.choice([1, 2, 4]))} if draft_1 else {})
+        cost = CostModel(ANCHOR_MS, draft_ms={1: draft_1, 16: draft_1 * float(rng.choice([1, 2, 4]))} if draft_1 else {},
+                         real_cells=real == "cells")
+        if real == "cells":  # steps at a few real-token counts, each off its calibration by its own factor
+            for real_tokens in rng.integers(batch, batch * (gamma_max + 1) + 1, 4).tolist():
+                cost.observe(batch, gamma_max + 1, float(rng.uniform(0.6, 1.6)) * cost.calibrated_ms(batch, real_tokens / batch), real_tokens)
         rates = rng.random((batch, gamma_max)).tolist()
         caps = rng.integers(0, gamma_max + 1, batch).tolist()
         if draft_1 or not real:
@@ -96,6 +102,7 @@ def test_adaptive_choice_is_the_best_gamma_vector(seed, real):
         best = max(goodput for goodput, _ in scored)
         heuristic = bool(draft_1) and real
         slack = DRAFT_MODEL_GAP if heuristic else 1e-9
+        real = bool(real)
         for margin in (0.0, 0.05):
             chosen = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin, real_token_prices=real).choose(rates, caps)
             assert all(0 <= g <= c for g, c in zip(chosen, caps))
@@ -295,6 +302,34 @@ def test_monotone_removes_timing_noise_from_the_grid():
     noisy = CostModel({(1, 1): 70, (1, 5): 60, (2, 1): 65, (2, 5): 120}, draft_ms={1: 9.0, 2: 7.0})
     clean = monotone(noisy)
     assert clean.target_ms == {(1, 1): 70, (1, 5): 70, (2, 1): 70, (2, 5): 120} and clean.draft_ms == {1: 9.0, 2: 9.0}
+
+
+def test_real_cells_learn_prices_by_real_tokens_and_interpolate_between_them():
+    """CostModel(real_cells=True) keys its live correction by a step's real tokens, not its padded width: ragged
+    steps of one padded width (batch 8, width 4) that ran 26 and 38 real tokens at 0.8x and 1.2x their calibration
+    are priced so, each, and a count between them that never ran (a full width-3 step, 32 tokens: the plan measured
+    25% over-priced at batch 8 in run 28, bench/out/slices_run28/counterfactual.md) at the log-linear interpolation.
+    Negative control: the padded cells put both kinds of step in one cell and price neither right. A real-cell model
+    with the padded price is refused (its cells would never be read)."""
+    grid = {(8, t): ms for t, ms in [(1, 55.0), (2, 90.0), (3, 120.0), (4, 168.0), (5, 200.0)]}
+    cells, padded = CostModel(dict(grid), real_cells=True), CostModel(dict(grid))
+    for _ in range(150):
+        for model in (cells, padded):
+            model.observe(8, 5, 0.8 * model.calibrated_ms(8, 26 / 8), real_tokens=26)
+            model.observe(8, 5, 1.2 * model.calibrated_ms(8, 38 / 8), real_tokens=38)
+    assert cells.target_step_ms(8, 5, 26) == pytest.approx(0.8 * cells.calibrated_ms(8, 26 / 8), rel=0.02)
+    assert cells.target_step_ms(8, 5, 38) == pytest.approx(1.2 * cells.calibrated_ms(8, 38 / 8), rel=0.02)
+    between = np.exp(np.log(0.8) + (np.log(1.2) - np.log(0.8)) * 6 / 12)
+    assert cells.target_step_ms(8, 4) == pytest.approx(between * 168.0, rel=0.02)  # full width 3: 32 real tokens
+    assert cells.to_dict()["real_cells"] is True and cells.visits(8, 26 / 8) > 10 and cells.visits(8, 5) == 0.0
+    low, high = padded.target_step_ms(8, 5, 26) / padded.calibrated_ms(8, 26 / 8), padded.target_step_ms(8, 5, 38) / padded.calibrated_ms(8, 38 / 8)
+    assert low == pytest.approx(high) and abs(low - 0.8) > 0.1 and abs(high - 1.2) > 0.1  # one cell for both
+    assert monotone(cells).real_cells
+    with pytest.raises(ValueError, match="real_token_prices=True"):
+        AdaptivePolicy(CostModel(dict(grid), real_cells=True))
+    policy = AdaptivePolicy(cells, gamma_max=4, real_token_prices=True, margin=0.0)
+    chosen = policy.choose([[0.9] * 4] * 8, caps=[4, 4, 4, 3, 3, 2, 1, 0])  # a ragged plan: priced at its real tokens' cell
+    assert policy.last_prediction[1] == pytest.approx(cells.target_step_ms(8, max(chosen) + 1, 8 + sum(chosen)), rel=1e-6)
 
 
 def test_live_correction_learns_the_shape_the_calibration_missed():

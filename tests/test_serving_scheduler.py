@@ -328,6 +328,12 @@ def test_trace_records_every_decode_step(tiny_target):
     firsts = [b for t in trace for b in t["rows_before"] if b == 0]
     assert len(firsts) == len(requests)  # each request's first decode step, and only that, had no tokens before it
     assert all(t["predicted_tokens"] is None and t["predicted_goodputs"] is None for t in trace)  # fixed: no model
+    assert all(t["predicted_plans"] is None for t in trace)
+    # per row: the request, its lookups cap, its drafts (<= cap and the gamma)
+    assert {i for t in trace for i in t["rows_id"]} == {r.request_id for r in requests}
+    assert all(len(t["rows_id"]) == len(t["rows_caps"]) == len(t["rows_drafts"]) == t["batch"] for t in trace)
+    assert all(d <= min(c, 3) for t in trace for d, c in zip(t["rows_drafts"], t["rows_caps"])) and any(max(t["rows_drafts"]) for t in trace)
+    assert all(sum(t["rows_drafts"]) == t["drafted"] for t in trace)
 
 
 def test_adaptive_cost_model_learns_from_every_decode_step(tiny_target):
@@ -348,6 +354,13 @@ def test_adaptive_cost_model_learns_from_every_decode_step(tiny_target):
     assert first["batch"] <= first["predicted_tokens"] <= first["batch"] * 9
     assert first["predicted_ms"] > 0 and len(first["predicted_goodputs"]) >= first["width"] + 1
     assert first["predicted_tokens"] / first["predicted_ms"] == pytest.approx(first["predicted_goodputs"][first["width"]], rel=1e-3)
+    # and every plan's [width, drafts, target ms]: the plan that ran is priced at the step's predicted ms
+    for step in scheduler.trace:
+        plans = step["predicted_plans"]
+        assert len(plans) == len(step["predicted_goodputs"]) and [p[0] for p in plans] == sorted({p[0] for p in plans})
+        ran = [p for p in plans if p[0] == step["width"]]
+        assert len(ran) == 1 and ran[0][1] == step["drafted"]
+        assert ran[0][2] == pytest.approx(step["predicted_ms"], rel=1e-3, abs=0.01)
 
 
 def test_lookup_tokens_sets_the_proposal_length_whatever_the_policy_drafts(tiny_target, monkeypatch):

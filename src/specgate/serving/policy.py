@@ -31,7 +31,10 @@ gamma), but on the machine, in one sweep with both prices as lanes (bench/out/sl
 and 1.001x the padded price's throughput at concurrency 2, 4 and 8: no gain, so the padded price stays the
 default. `cut_rows` (with real_token_prices) also lets a width leave rows out on their estimates; a request's own
 estimate says little (diag 17: rows estimated lowest at position 1, 0.63, were accepted at 0.83), and it
-replayed worse (run 19's costs, concurrency 4 / 8: 0.976 / 0.992 against 1.012 / 1.021 without).
+replayed worse (run 19's costs, concurrency 4 / 8: 0.976 / 0.992 against 1.012 / 1.021 without). The ablation
+CostModel(real_cells=True) (with real_token_prices) learns the live correction per real-token count, interpolated
+between the counts run: the padded cells mispriced widths rarely run (batch 8, run 28: width 3 at 1.25x the
+measured mean), but on the machine it made the same throughput (A/B 29: 0.97-1.00x the padded price).
 
 Robustness. The optimum is flat and the predictions carry noise (per-request acceptance estimates, step-time
 jitter), so the width must not flip from step to step on estimate noise: the width that ran last (the
@@ -201,6 +204,9 @@ class CostModel:
     Between grid points the calibrated time is linear in tokens per row and piecewise linear in batch size
     (extrapolated from the last segment).
 
+    real_cells (an ablation, with AdaptivePolicy.real_token_prices): the cells are keyed by a step's real tokens per
+    row instead of its padded width, and a count not run is priced by linear interpolation between those run.
+
     Live correction (`observe`), in log space, two parts per exact batch size b:
     - a batch factor F_b, moved by `live_rate` (0.5) of each measured step's error at batch b: the machine's
       present speed at that load (a busy host, another thread, a slower VM than at calibration). It prices every
@@ -235,6 +241,7 @@ class CostModel:
     cell_decay: float = DEFAULT_CELL_DECAY
     cell_prior: float = DEFAULT_CELL_PRIOR
     cell_stale: float = DEFAULT_CELL_STALE
+    real_cells: bool = False
 
     def __post_init__(self) -> None:
         if not self.target_ms:
@@ -289,13 +296,25 @@ class CostModel:
 
     def _deviation(self, batch: int, tokens_per_row: float) -> float:
         """d[b, t]; for a shape not run yet, the deviation of the nearest one run at that batch (ties to the
-        wider): a calibration's shape error is smooth in the tokens per row, so it carries to the next width."""
+        wider): a calibration's shape error is smooth in the tokens per row, so it carries to the next width.
+        real_cells: t is real tokens per row, and between two counts run the deviation is interpolated."""
         cells = self.cells.get(batch)
         if not cells:
             return 0.0
         if tokens_per_row in cells:
             return cells[tokens_per_row][1]
+        if self.real_cells:
+            return float(self.deviations(batch, np.array([tokens_per_row]))[0])
         return cells[min(cells, key=lambda t: (abs(t - tokens_per_row), -t))][1]
+
+    def deviations(self, batch: int, tokens_per_row: np.ndarray) -> np.ndarray:
+        """real_cells: d[b, t] at many real tokens per row at once: linear between the counts run at that batch,
+        the nearest one's beyond them (np.interp), 0 where none has run."""
+        cells = self.cells.get(batch)
+        if not cells:
+            return np.zeros(len(tokens_per_row))
+        keys = sorted(cells)
+        return np.interp(tokens_per_row, keys, [cells[k][1] for k in keys])
 
     def visits(self, batch: int, tokens_per_row: float) -> float:
         """Recent visits u of this exact shape (0 if never run): its decayed count of measured steps, aged further
@@ -309,8 +328,10 @@ class CostModel:
     def target_step_ms(self, batch: int, tokens_per_row: float, real_tokens: int | None = None) -> float:
         """One target step of `batch` rows padded to `tokens_per_row` tokens, `real_tokens` of them real (default
         all): the calibration at the real tokens per row (the C stack and the head run only those), times the live
-        correction of the padded shape (what its logits passes and bookkeeping add, learnt from its steps)."""
-        return self.calibrated_ms(batch, _real_per_row(batch, tokens_per_row, real_tokens)) * self.correction(batch, tokens_per_row)
+        correction of the padded shape (what its logits passes and bookkeeping add, learnt from its steps), or,
+        with real_cells, of its real tokens."""
+        real = _real_per_row(batch, tokens_per_row, real_tokens)
+        return self.calibrated_ms(batch, real) * self.correction(batch, real if self.real_cells else tokens_per_row)
 
     def live_correction(self, batch: int, tokens_per_row: float) -> float:
         """predicted / calibrated at this shape (1.0 = as calibrated)."""
@@ -325,6 +346,8 @@ class CostModel:
         if self.live_rate == 0.0 or not measured_ms > 0.0 or not np.isfinite(measured_ms):
             return
         log_ratio = float(np.log(measured_ms / self.calibrated_ms(batch, _real_per_row(batch, tokens_per_row, real_tokens))))
+        if self.real_cells:  # the cell of the step's real tokens per row
+            tokens_per_row = _real_per_row(batch, tokens_per_row, real_tokens)
         factor, deviation = self.factor(batch), self._deviation(batch, tokens_per_row)
         residual = float(np.clip(log_ratio - factor - deviation, -MAX_STEP_ERROR, MAX_STEP_ERROR))
         cells = self.cells.setdefault(batch, {})
@@ -357,7 +380,7 @@ class CostModel:
             "target_ms": [[b, t, round(ms, 3)] for (b, t), ms in sorted(self.target_ms.items())],
             "draft_ms": [[b, round(ms, 3)] for b, ms in sorted(self.draft_ms.items())],
             "live_rate": self.live_rate, "cell_decay": self.cell_decay, "cell_prior": self.cell_prior, "cell_stale": self.cell_stale,
-            "observations": self.observations,
+            "real_cells": self.real_cells, "observations": self.observations,
             # predicted / calibrated per batch size run and per shape run: [batch, factor] and [batch, tokens, visits, factor]
             "batch_factor": [[b, round(float(np.exp(f)), 3)] for b, f in sorted(self.batch_factor.items())],
             "live_correction": [
@@ -410,12 +433,14 @@ class AdaptivePolicy(SpeculationPolicy):
         self.prior_alpha = prior_alpha
         self.margin = margin
         self.probe_every, self.probe_margin, self.probe_bonus = probe_every, probe_margin, probe_bonus
-        self.real_token_prices = real_token_prices  # price a step at its real tokens, not its padded rectangle (an ablation)
+        if cost_model.real_cells and not real_token_prices:
+            raise ValueError("a cost model with real_cells=True learns prices by real tokens: use it with real_token_prices=True")
+        self.real_token_prices = real_token_prices  # price a step at its real tokens, not its padded rectangle
         self.cut_rows = cut_rows  # free drafts too: search plans that leave rows out (an ablation, with real_token_prices)
         self.incumbent: int | None = None  # width (max gamma) of the plan that ran last; None before the first
         self.plans_made = 0
         self.probes = 0  # probe decisions made (AdaptivePolicy._probe)
-        self.last_prediction: tuple | None = None  # the last plan's expected tokens, predicted ms, goodput per width
+        self.last_prediction: tuple | None = None  # the last plan's expected tokens, predicted ms, goodput per plan, [width, drafts, target ms] per plan
         self._last_plan: tuple[int, int, float] | None = None  # (batch, width, raw expected accepted drafts)
         self.token_counts = [0.0, 0.0, 0.0]  # decayed sums over the plans run: steps, realized, raw predicted accepted drafts
         self._calibrated: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch -> (calibrated ms by drafts [B*G+1], draft_ms [B+1])
@@ -449,7 +474,12 @@ class AdaptivePolicy(SpeculationPolicy):
         if self._costs_at != self.cost_model.observations:  # the live correction moved: price again
             self._corrections, self._costs_at = {}, self.cost_model.observations
         if batch not in self._corrections:
-            self._corrections[batch] = np.array([self.cost_model.correction(batch, w + 1) for w in range(self.gamma_max + 1)])  # [G+1]
+            cost = self.cost_model
+            if cost.real_cells:  # by the plan's drafts d: the cell of (batch + d) / batch real tokens per row, interpolated
+                real = (batch + np.arange(batch * self.gamma_max + 1)) / batch
+                self._corrections[batch] = np.exp(cost.factor(batch) + cost.deviations(batch, real))  # [B*G+1]
+            else:
+                self._corrections[batch] = np.array([cost.correction(batch, w + 1) for w in range(self.gamma_max + 1)])  # [G+1]
         return self._corrections[batch], *self._calibrated[batch]
 
     def candidates(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[tuple[float, np.ndarray]]:
@@ -479,7 +509,7 @@ class AdaptivePolicy(SpeculationPolicy):
         # prefix k (rows order[:k] draft): the widest row, the drafts, the price, the expected tokens
         widest = np.maximum.accumulate(ranked, axis=1)  # [W, B] the plan's width
         drafts = np.cumsum(ranked, axis=1)  # [W, B]
-        cost_ms = calibrated[drafts if self.real_token_prices else batch * widest] * correction[widest]  # [W, B]
+        cost_ms = calibrated[drafts if self.real_token_prices else batch * widest] * correction[drafts if self.cost_model.real_cells else widest]  # [W, B]
         if draft_ms.any():  # a draft model: the s-th draft pass runs over the rows drafting >= s (lookups: free)
             drafting = np.cumsum(ranked[:, :, None] >= widths[None, None], axis=1)  # [W, B, S]
             cost_ms = cost_ms + draft_ms[drafting].sum(axis=2)  # (draft_ms[0] = 0: passes past a row's gamma)
@@ -514,11 +544,15 @@ class AdaptivePolicy(SpeculationPolicy):
                 goodput, gammas = probe
         correction, calibrated, draft_ms = self.costs(len(acceptance))
         width = int(gammas.max())
-        predicted_ms = float(calibrated[int(gammas.sum()) if self.real_token_prices else len(acceptance) * width] * correction[width])
+        real_cells, drafts = self.cost_model.real_cells, int(gammas.sum())
+        predicted_ms = float(calibrated[drafts if self.real_token_prices else len(acceptance) * width] * correction[drafts if real_cells else width])
         if width and draft_ms.any():
             predicted_ms += float(draft_ms[(gammas[None] >= np.arange(1, width + 1)[:, None]).sum(axis=1)].sum())
         expected = goodput * predicted_ms  # rows + token_factor * the estimates' accepted drafts
-        self.last_prediction = (expected, predicted_ms, [float(f"{p[0]:.5g}") for p in plans])
+        # every plan's [width, drafts, predicted ms] (as priced above), for offline counterfactuals of the trace
+        priced = [[p[2], p[3], round(float(calibrated[p[3] if self.real_token_prices else len(acceptance) * p[2]] * correction[p[3] if real_cells else p[2]]), 2)]
+                  for p in plans]
+        self.last_prediction = (expected, predicted_ms, [float(f"{p[0]:.5g}") for p in plans], priced)
         self._last_plan = (len(acceptance), width, (expected - len(acceptance)) / self.token_factor())
         return gammas.tolist(), float(goodput)
 
@@ -542,9 +576,10 @@ class AdaptivePolicy(SpeculationPolicy):
         self.probes += 1
         cost = self.cost_model
         scored = []
-        for goodput, gammas, width, _ in plans:
+        for goodput, gammas, width, drafts in plans:
             if width != self.incumbent:
-                bonus = self.probe_bonus / np.sqrt(cost.visits(batch, width + 1) + 1.0)
+                shape = (batch + drafts) / batch if cost.real_cells else width + 1  # the cell its price comes from
+                bonus = self.probe_bonus / np.sqrt(cost.visits(batch, shape) + 1.0)
                 scored.append((goodput * float(np.exp(bonus)), goodput, gammas))
         if not scored:
             return None
@@ -706,7 +741,7 @@ def monotone(cost: CostModel) -> CostModel:
         draft_ms[batch] = running
     return CostModel(
         target_ms=target_ms, draft_ms=draft_ms, live_rate=cost.live_rate, cell_decay=cost.cell_decay, cell_prior=cost.cell_prior,
-        cell_stale=cost.cell_stale,
+        cell_stale=cost.cell_stale, real_cells=cost.real_cells,
     )
 
 

@@ -595,6 +595,7 @@ class Scheduler:
             index = torch.tensor(keep, dtype=torch.int64)
             running, states, drafts = [running[i] for i in keep], [states[i] for i in keep], [drafts[i] for i in keep]
             gammas, num_drafts = [gammas[i] for i in keep], [num_drafts[i] for i in keep]
+            caps = [caps[i] for i in keep]
             draft_tokens, target_logits, target_argmax = draft_tokens[index], target_logits[index], target_argmax[index]
         # 5. one batched verification with per-request generators
         result = self._verify(running, states, drafts, draft_tokens, torch.tensor(num_drafts), target_logits, target_argmax)
@@ -629,6 +630,9 @@ class Scheduler:
                 "emitted": committed, "rows_emitted": rows_emitted, "rows_before": rows_before,
                 "step_ms": 1e3 * (time.perf_counter() - step_start),
                 "forward_ms": 1e3 * forward_s, "draft_ms": 1e3 * draft_s, "prefill_tokens": self.last_prefill_tokens,
+                # what the policy was given and ran, per row (for counterfactuals offline: bench/bench_counterfactual.py)
+                "rows_id": [r.request_id for r in running], "rows_caps": caps, "rows_drafts": num_drafts,
+                "predicted_plans": None if predicted is None or len(predicted) < 4 else predicted[3],
             })
 
     def _fail_non_finite(self, running: list[Request], peak: Tensor, positions: Tensor) -> list[int]:
