@@ -440,8 +440,9 @@ class AdaptivePolicy(SpeculationPolicy):
         self.incumbent: int | None = None  # width (max gamma) of the plan that ran last; None before the first
         self.plans_made = 0
         self.probes = 0  # probe decisions made (AdaptivePolicy._probe)
-        self.last_prediction: tuple | None = None  # the last plan's expected tokens, predicted ms, goodput per plan, [width, drafts, target ms] per plan
+        self.last_prediction: tuple | None = None  # the last plan's expected tokens, predicted ms, goodput per plan
         self._last_plan: tuple[int, int, float] | None = None  # (batch, width, raw expected accepted drafts)
+        self._last_plans: tuple | None = None  # (batch, [(width, drafts)], correction, calibrated) of the last decision
         self.token_counts = [0.0, 0.0, 0.0]  # decayed sums over the plans run: steps, realized, raw predicted accepted drafts
         self._calibrated: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch -> (calibrated ms by drafts [B*G+1], draft_ms [B+1])
         self._corrections: dict[int, np.ndarray] = {}  # batch -> live correction by width [G+1]
@@ -542,19 +543,33 @@ class AdaptivePolicy(SpeculationPolicy):
             probe = self._probe(plans, best_goodput, len(acceptance))
             if probe is not None:  # this step only: the incumbent stays
                 goodput, gammas = probe
-        correction, calibrated, draft_ms = self.costs(len(acceptance))
+        batch = len(acceptance)
+        correction, calibrated, draft_ms = self.costs(batch)
         width = int(gammas.max())
-        real_cells, drafts = self.cost_model.real_cells, int(gammas.sum())
-        predicted_ms = float(calibrated[drafts if self.real_token_prices else len(acceptance) * width] * correction[drafts if real_cells else width])
+        predicted_ms = self._target_ms(batch, width, int(gammas.sum()), correction, calibrated)
         if width and draft_ms.any():
             predicted_ms += float(draft_ms[(gammas[None] >= np.arange(1, width + 1)[:, None]).sum(axis=1)].sum())
         expected = goodput * predicted_ms  # rows + token_factor * the estimates' accepted drafts
-        # every plan's [width, drafts, predicted ms] (as priced above), for offline counterfactuals of the trace
-        priced = [[p[2], p[3], round(float(calibrated[p[3] if self.real_token_prices else len(acceptance) * p[2]] * correction[p[3] if real_cells else p[2]]), 2)]
-                  for p in plans]
-        self.last_prediction = (expected, predicted_ms, [float(f"{p[0]:.5g}") for p in plans], priced)
+        self.last_prediction = (expected, predicted_ms, [float(f"{p[0]:.5g}") for p in plans])
+        # priced only if asked (plans_priced: benchmarks' traces), at this decision's prices (costs() replaces, never
+        # mutates, its arrays when the live correction moves)
+        self._last_plans = (batch, [(p[2], p[3]) for p in plans], correction, calibrated)
         self._last_plan = (len(acceptance), width, (expected - len(acceptance)) / self.token_factor())
         return gammas.tolist(), float(goodput)
+
+    def _target_ms(self, batch: int, width: int, drafts: int, correction: np.ndarray, calibrated: np.ndarray) -> float:
+        """The target step's price of a plan of this width and drafts, as _candidates prices it (padded, or at its
+        real tokens; the correction of its width, or with real_cells of its real tokens)."""
+        at = drafts if self.real_token_prices else batch * width
+        return float(calibrated[at] * correction[drafts if self.cost_model.real_cells else width])
+
+    def plans_priced(self) -> list[list[float]] | None:
+        """The last decision's plans, each [width, drafts, target ms] (for offline counterfactuals of a trace:
+        bench/bench_counterfactual.py); None before any."""
+        if self._last_plans is None:
+            return None
+        batch, plans, correction, calibrated = self._last_plans
+        return [[width, drafts, round(self._target_ms(batch, width, drafts, correction, calibrated), 2)] for width, drafts in plans]
 
     def _probe(self, plans: list[tuple[float, np.ndarray, int, int]], best_goodput: float, batch: int) -> tuple[float, np.ndarray] | None:
         """The plan of another width than the incumbent with the best optimistic goodput, if that is within

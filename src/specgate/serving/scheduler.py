@@ -632,7 +632,7 @@ class Scheduler:
                 "forward_ms": 1e3 * forward_s, "draft_ms": 1e3 * draft_s, "prefill_tokens": self.last_prefill_tokens,
                 # what the policy was given and ran, per row (for counterfactuals offline: bench/bench_counterfactual.py)
                 "rows_id": [r.request_id for r in running], "rows_caps": caps, "rows_drafts": num_drafts,
-                "predicted_plans": None if predicted is None or len(predicted) < 4 else predicted[3],
+                "predicted_plans": self.policy.plans_priced() if hasattr(self.policy, "plans_priced") else None,
             })
 
     def _fail_non_finite(self, running: list[Request], peak: Tensor, positions: Tensor) -> list[int]:
