@@ -50,7 +50,7 @@ from bench_serving import PROMPTS, resolve_dtype  # noqa: E402
 from specgate.drafting import NgramDrafter  # noqa: E402
 from specgate.serving import Scheduler, make_policy  # noqa: E402
 from specgate.serving.acceptance import FLAT_PRIOR, TRAFFIC_DECAY, AcceptanceStats  # noqa: E402
-from specgate.serving.policy import AdaptivePolicy, CostModel, SpeculationPolicy, monotone  # noqa: E402
+from specgate.serving.policy import RATE_DECAY, RATE_MIN_STEPS, AdaptivePolicy, CostModel, SpeculationPolicy, monotone  # noqa: E402
 
 
 def greedy_outputs(target_name: str, dtype: str, length: int) -> dict:
@@ -99,12 +99,20 @@ def step_ms(table: dict, batch: int, real_tokens: int) -> float:
 
 
 class OraclePolicy(SpeculationPolicy):
-    """Not a policy: told each row's true match length (`truth`), runs the width of most true tokens per ms."""
+    """Not a policy: told each row's true match length (`truth`), runs the width of most true tokens per ms
+    (objective "goodput"), or of most true tokens - rate * ms, rate the tokens per ms it has realized at the batch
+    size (objective "throughput", AdaptivePolicy's: decayed sums, the goodput rule until RATE_MIN_STEPS)."""
 
     name = "oracle"
 
-    def __init__(self, gamma_max: int, table: dict) -> None:
-        self.gamma_max, self.table, self.truth = gamma_max, table, None
+    def __init__(self, gamma_max: int, table: dict, objective: str = "goodput") -> None:
+        self.gamma_max, self.table, self.truth, self.objective = gamma_max, table, None, objective
+        self.rate_counts: dict[int, list[float]] = {}
+
+    def observe_step(self, batch, width_tokens, target_ms, emitted=None, drafted=None) -> None:
+        counts = self.rate_counts.setdefault(batch, [0.0, 0.0, 0.0])
+        for i, value in enumerate((1.0, float(emitted or 0), target_ms)):
+            counts[i] = RATE_DECAY * counts[i] + value
 
     @property
     def max_gamma(self) -> int:
@@ -113,10 +121,14 @@ class OraclePolicy(SpeculationPolicy):
     def choose(self, acceptance, caps=None) -> list[int]:
         batch = len(acceptance)
 
+        counts = self.rate_counts.get(batch)
+        rate = counts[1] / counts[2] if self.objective == "throughput" and counts and counts[0] >= RATE_MIN_STEPS else None
+
         def goodput(width: int) -> float:
             gammas = [min(width, cap) for cap in caps]
             tokens = sum(1 + min(m, g) for m, g in zip(self.truth, gammas))
-            return tokens / step_ms(self.table, batch, batch + sum(gammas))
+            ms = step_ms(self.table, batch, batch + sum(gammas))
+            return tokens / ms if rate is None else tokens - rate * ms
 
         best = max(range(self.gamma_max + 1), key=goodput)
         return [min(best, cap) for cap in caps]
@@ -264,6 +276,10 @@ def main() -> None:
     def make(lane: str) -> SpeculationPolicy:
         if lane == "oracle":
             return OraclePolicy(args.gamma_max, table)
+        if lane == "oracle-rate":
+            return OraclePolicy(args.gamma_max, table, objective="throughput")
+        if lane in ("adaptive-rate", "adaptive-goodput"):  # the padded prices with either objective
+            return AdaptivePolicy(monotone(CostModel(target_ms=dict(calibration))), gamma_max=args.gamma_max, objective="throughput" if lane == "adaptive-rate" else "goodput")
         if lane in ("adaptive", "adaptive-real", "adaptive-cut", "adaptive-cells"):  # real-token prices, rows cut too, cells by real tokens
             cost = monotone(CostModel(target_ms=dict(calibration), real_cells=lane == "adaptive-cells"))
             policy = AdaptivePolicy(cost, gamma_max=args.gamma_max, real_token_prices=lane != "adaptive")
@@ -298,7 +314,7 @@ def main() -> None:
     console.print("|---" * (len(lanes) + 3) + "|")
     for point in results["points"]:
         speeds = {lane: v["throughput_tok_s"] for lane, v in point["lanes"].items()}
-        fixed = [v for lane, v in speeds.items() if not lane.startswith("adaptive") and lane != "oracle"]
+        fixed = [v for lane, v in speeds.items() if not lane.startswith(("adaptive", "oracle"))]
         cells = " | ".join(f"{speeds[lane]:.1f} (w {point['lanes'][lane]['mean_width']:.2f})" for lane in lanes)
         ratio = f"{speeds['adaptive'] / max(fixed):.3f}" if "adaptive" in speeds and fixed else "-"
         bound = f"{speeds['adaptive'] / speeds['oracle']:.3f}" if {"adaptive", "oracle"} <= speeds.keys() else "-"

@@ -486,3 +486,36 @@ def test_probes_correct_an_over_priced_neighbour(probe_every):
         AdaptivePolicy(cost, probe_margin=1.5)
     with pytest.raises(ValueError, match="probe_bonus=-1"):
         AdaptivePolicy(cost, probe_bonus=-1)
+
+
+def test_throughput_objective_buys_tokens_in_easy_states_and_saves_time_in_hard_ones():
+    """objective="throughput" maximises E[tokens] - rate * ms, rate the predicted tokens per ms of its own recent
+    plans (AdaptivePolicy.rate). Batch 1, a step of t tokens costs 40 + 10 t ms, flat acceptance a. After 20
+    decisions at a = 0.7 (best ratio: width 3) the rate is that plan's goodput; then in an easy state (a = 0.85)
+    it runs wider than the best ratio (7 against 5) and in a hard one (a = 0.55, 0.3) narrower (1 against 2, 0
+    against 1), each the brute-force argmax of the linear score. Negative control: the default objective ("goodput")
+    runs the best ratio in every state, and "throughput" does the same until RATE_MIN_STEPS decisions are in."""
+    from specgate.serving.policy import RATE_DECAY, RATE_MIN_STEPS
+
+    def make(objective):
+        cost = CostModel({(1, t): 40.0 + 10.0 * t for t in range(1, 10)}, live_rate=0.0)
+        return AdaptivePolicy(cost, gamma_max=8, probe_every=0, margin=0.0, objective=objective)
+
+    def expected(a):
+        return np.array([1.0 + sum(a**k for k in range(1, g + 1)) for g in range(9)])  # [G+1]
+
+    ms = 40.0 + 10.0 * (np.arange(9) + 1)  # [G+1]
+    ratio, rate_policy = make("goodput"), make("throughput")
+    assert rate_policy.rate(1) is None
+    for step in range(20):
+        assert rate_policy.choose([[0.7] * 8], [8]) == ratio.choose([[0.7] * 8], [8]) == [3]
+        assert (rate_policy.rate(1) is None) == (sum(RATE_DECAY**k for k in range(step + 1)) < RATE_MIN_STEPS)  # decayed count
+    rho = rate_policy.rate(1)
+    assert rho == pytest.approx(expected(0.7)[3] / ms[3])
+    for a, by_ratio, by_rate in [(0.85, 5, 7), (0.55, 2, 1), (0.3, 1, 0)]:
+        assert ratio.choose([[a] * 8], [8]) == [by_ratio] == [int(np.argmax(expected(a) / ms))]
+        assert rate_policy.choose([[a] * 8], [8]) == [by_rate] == [int(np.argmax(expected(a) - rho * ms))]
+        rate_policy.rate_counts[1] = [20.0, 20.0 * rho, 20.0]  # back to the rate learnt at 0.7 (one state at a time)
+    assert rate_policy.describe()["objective"] == "throughput"
+    with pytest.raises(ValueError, match="objective='ratio' is unknown"):
+        make("ratio")

@@ -79,6 +79,9 @@ DEFAULT_PROBE_BONUS = 0.25  # ... optimism exp(0.25 / sqrt(visits + 1)) for a sh
 TOKEN_DECAY = 0.99  # adaptive: the realized / predicted accepted drafts, over the ~100 latest steps (token_factor)
 TOKEN_PRIOR = 4.0  # ... shrunk towards 1 by this many pseudo-steps
 TOKEN_FACTOR_RANGE = (0.7, 1.4)  # ... and kept within this range
+OBJECTIVES = ("throughput", "goodput")  # adaptive: what a step's plan maximises (AdaptivePolicy, "Objective")
+RATE_DECAY = 0.98  # objective "throughput": the plans' predicted tokens per ms at a batch size over its ~50 latest steps
+RATE_MIN_STEPS = 5.0  # ... taken once this many (decayed) steps are in; before, the step's best ratio (the goodput rule)
 Acceptance = float | Sequence[float] | None  # one alpha, conditional rates per position, or unknown
 
 
@@ -402,6 +405,17 @@ class AdaptivePolicy(SpeculationPolicy):
     a shared 2-core VM), and near the optimum the goodput curve is flat (Gemma at batch 16: gamma 3, 4 and 8
     within 4% of each other), so a plain argmax would flip the width from step to step. Holding the incumbent
     costs at most `margin` by the model's own account, and has no bias towards narrow or wide plans.
+
+    Objective (an ablation, `objective="throughput"`; the default "goodput" is the per-step ratio above). A
+    closed loop's throughput is a ratio of sums, total tokens / total time, and the plan that maximises it step by
+    step is not the one with the best ratio in each step but the one with the most E[tokens] - rho * ms, rho the
+    achievable rate (renewal reward, Dinkelbach): where a step's prospects beat rho, tokens bought below the best
+    ratio still pay; where they fall short, the cheapest plan does. "throughput" takes rho = rate(batch), the
+    predicted tokens per ms of its own recent plans. With the true match lengths the rule gains (bench_replay.py
+    lane oracle-rate against the per-step ratio's oracle), but with the estimates it loses (lane adaptive-rate):
+    it acts on which rows look hard now, which the per-request estimates cannot tell, and at batch 16 it locks
+    into width 0, whose plans set the rate it is judged by (docs/BENCHMARKS.md, "Objective"). The margin there is
+    in tokens: the incumbent stays while its score is within margin x the best plan's expected tokens of the best.
     """
 
     name = "adaptive"
@@ -417,6 +431,7 @@ class AdaptivePolicy(SpeculationPolicy):
         probe_bonus: float = DEFAULT_PROBE_BONUS,
         cut_rows: bool = False,
         real_token_prices: bool = False,
+        objective: str = "goodput",
     ) -> None:
         self.cost_model = cost_model
         self.gamma_max = _check_gamma(gamma_max, "gamma_max")
@@ -436,6 +451,10 @@ class AdaptivePolicy(SpeculationPolicy):
         if cost_model.real_cells and not real_token_prices:
             raise ValueError("a cost model with real_cells=True learns prices by real tokens: use it with real_token_prices=True")
         self.real_token_prices = real_token_prices  # price a step at its real tokens, not its padded rectangle
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective={objective!r} is unknown: use one of {', '.join(OBJECTIVES)} (see AdaptivePolicy)")
+        self.objective = objective
+        self.rate_counts: dict[int, list[float]] = {}  # batch -> decayed [steps, committed tokens, ms] (objective throughput)
         self.cut_rows = cut_rows  # free drafts too: search plans that leave rows out (an ablation, with real_token_prices)
         self.incumbent: int | None = None  # width (max gamma) of the plan that ran last; None before the first
         self.plans_made = 0
@@ -486,14 +505,16 @@ class AdaptivePolicy(SpeculationPolicy):
     def candidates(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> list[tuple[float, np.ndarray]]:
         """The best plan of every width (k requests drafting, see the module docstring), "everyone 0" first:
         [(expected goodput in tokens per ms, gammas [B]), ...] in increasing width."""
-        return [(goodput, gammas) for goodput, gammas, _, _ in self._candidates(acceptance, caps)]
+        return [(p[0], p[1]) for p in self._candidates(acceptance, caps, self.rate(len(acceptance)))]
 
-    def _candidates(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None) -> list[tuple[float, np.ndarray, int, int]]:
-        """candidates(), each plan with its width and its drafts: (goodput, gammas [B], max gamma, sum of gammas)."""
+    def _candidates(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None, rate: float | None = None) -> list[tuple]:
+        """candidates(), each plan with its width, its drafts, its expected tokens and its price: (goodput, gammas [B],
+        max gamma, sum of gammas, tokens, ms). rate: the objective's tokens per ms (None: the goodput rule), which
+        picks a width's best prefix of rows where rows may be cut (a draft model, cut_rows)."""
         batch = len(acceptance)
         limit = np.full(batch, self.gamma_max) if caps is None else np.clip(np.asarray(caps, dtype=int), 0, self.gamma_max)  # [B]
         correction, calibrated, draft_ms = self.costs(batch)
-        plans = [(batch / float(calibrated[0] * correction[0]), np.zeros(batch, dtype=int), 0, 0)]
+        plans = [(batch / float(calibrated[0] * correction[0]), np.zeros(batch, dtype=int), 0, 0, float(batch), float(calibrated[0] * correction[0]))]
         top = min(self.gamma_max, int(limit.max()))
         if top == 0:
             return plans
@@ -514,15 +535,16 @@ class AdaptivePolicy(SpeculationPolicy):
         if draft_ms.any():  # a draft model: the s-th draft pass runs over the rows drafting >= s (lookups: free)
             drafting = np.cumsum(ranked[:, :, None] >= widths[None, None], axis=1)  # [W, B, S]
             cost_ms = cost_ms + draft_ms[drafting].sum(axis=2)  # (draft_ms[0] = 0: passes past a row's gamma)
-        goodput = (batch + self.token_factor() * np.cumsum(value[plan_rows, order], axis=1)) / cost_ms  # [W, B]
+        tokens = batch + self.token_factor() * np.cumsum(value[plan_rows, order], axis=1)  # [W, B]
+        goodput = tokens / cost_ms  # [W, B]
         if draft_ms.any() or self.cut_rows:
-            best = np.argmax(goodput, axis=1)  # [W] the best prefix per width (first of ties)
+            best = np.argmax(goodput if rate is None else tokens - rate * cost_ms, axis=1)  # [W] the best prefix per width (first of ties)
         else:  # free drafts: every row drafts what the width allows (see the module docstring: no per-row cuts)
             best = np.full(top, batch - 1)
         chosen = np.zeros_like(gammas)
         chosen[plan_rows, order] = np.where(np.arange(batch)[None] <= best[:, None], ranked, 0)
         at = (np.arange(top), best)
-        plans.extend(zip(goodput[at].tolist(), chosen, widest[at].tolist(), drafts[at].tolist()))
+        plans.extend(zip(goodput[at].tolist(), chosen, widest[at].tolist(), drafts[at].tolist(), tokens[at].tolist(), cost_ms[at].tolist()))
         return plans
 
     def plan(self, acceptance: Sequence[Acceptance], caps: Sequence[int] | None = None) -> tuple[list[int], float]:
@@ -530,26 +552,36 @@ class AdaptivePolicy(SpeculationPolicy):
         it is within `margin` of the best, else the best (exact ties to fewer drafts); see the class docstring."""
         if not acceptance:
             return [], 0.0
-        plans = self._candidates(acceptance, caps)
-        best_goodput, best_gammas, _, _ = max(plans, key=lambda p: (p[0], -p[2], -p[3]))
+        batch = len(acceptance)
+        rate = self.rate(batch)
+        plans = self._candidates(acceptance, caps, rate)
+        if rate is None:  # the goodput rule: the best ratio; the incumbent while within margin of it
+            score, slack = (lambda p: p[0]), (lambda best: best[0] * self.margin)
+        else:  # throughput: tokens - rate * ms; the incumbent while it loses under margin of the best plan's tokens
+            score, slack = (lambda p: p[4] - rate * p[5]), (lambda best: best[4] * self.margin)
+        best = max(plans, key=lambda p: (score(p), -p[2], -p[3]))
         held = [p for p in plans if p[2] == self.incumbent]
-        if held and max(p[0] for p in held) >= best_goodput * (1 - self.margin) * (1 - 1e-9):
-            goodput, gammas = max(held, key=lambda p: p[0])[:2]
+        kept = max(held, key=score) if held else None
+        if kept is not None and score(kept) >= score(best) - slack(best) * (1 + 1e-9):
+            goodput, gammas = kept[:2]
         else:
-            goodput, gammas = best_goodput, best_gammas
+            goodput, gammas = best[:2]
         self.incumbent = int(gammas.max())
         self.plans_made += 1
         if self.probe_every and self.plans_made % self.probe_every == 0:
-            probe = self._probe(plans, best_goodput, len(acceptance))
+            probe = self._probe(plans, max(p[0] for p in plans), batch)
             if probe is not None:  # this step only: the incumbent stays
                 goodput, gammas = probe
-        batch = len(acceptance)
         correction, calibrated, draft_ms = self.costs(batch)
         width = int(gammas.max())
         predicted_ms = self._target_ms(batch, width, int(gammas.sum()), correction, calibrated)
         if width and draft_ms.any():
             predicted_ms += float(draft_ms[(gammas[None] >= np.arange(1, width + 1)[:, None]).sum(axis=1)].sum())
         expected = goodput * predicted_ms  # rows + token_factor * the estimates' accepted drafts
+        if self.objective == "throughput":
+            counts = self.rate_counts.setdefault(batch, [0.0, 0.0, 0.0])
+            for i, value in enumerate((1.0, expected, predicted_ms)):
+                counts[i] = RATE_DECAY * counts[i] + value
         self.last_prediction = (expected, predicted_ms, [float(f"{p[0]:.5g}") for p in plans])
         # priced only if asked (plans_priced: benchmarks' traces), at this decision's prices (costs() replaces, never
         # mutates, its arrays when the live correction moves)
@@ -591,7 +623,7 @@ class AdaptivePolicy(SpeculationPolicy):
         self.probes += 1
         cost = self.cost_model
         scored = []
-        for goodput, gammas, width, drafts in plans:
+        for goodput, gammas, width, drafts, _, _ in plans:
             if width != self.incumbent:
                 shape = (batch + drafts) / batch if cost.real_cells else width + 1  # the cell its price comes from
                 bonus = self.probe_bonus / np.sqrt(cost.visits(batch, shape) + 1.0)
@@ -632,6 +664,16 @@ class AdaptivePolicy(SpeculationPolicy):
         ratio = (steps * realized / predicted + TOKEN_PRIOR) / (steps + TOKEN_PRIOR)
         return min(max(float(ratio), TOKEN_FACTOR_RANGE[0]), TOKEN_FACTOR_RANGE[1])  # (np.clip on a scalar: ~6 us)
 
+    def rate(self, batch: int) -> float | None:
+        """Objective throughput: the predicted tokens per ms of the plans this policy chose at this batch size
+        (decayed sums over its ~50 latest decisions there, RATE_DECAY; in the model's own units, so a bias of the
+        estimates or prices common to all plans does not move the choice), once RATE_MIN_STEPS are in; else None
+        (the goodput rule)."""
+        counts = self.rate_counts.get(batch) if self.objective == "throughput" else None
+        if counts is None or counts[0] < RATE_MIN_STEPS or counts[2] <= 0.0:
+            return None
+        return counts[1] / counts[2]
+
     def observe_step(self, batch: int, width_tokens: int, target_ms: float, emitted: int | None = None, drafted: int | None = None) -> None:
         self.cost_model.observe(batch, width_tokens, target_ms, batch + drafted if self.real_token_prices and drafted is not None else None)
         plan, self._last_plan = self._last_plan, None
@@ -644,8 +686,9 @@ class AdaptivePolicy(SpeculationPolicy):
         return {
             "policy": self.name, "gamma_max": self.gamma_max, "prior_alpha": self.prior_alpha, "margin": self.margin,
             "probe_every": self.probe_every, "probe_margin": self.probe_margin, "probe_bonus": self.probe_bonus, "probes": self.probes,
-            "real_token_prices": self.real_token_prices, "cut_rows": self.cut_rows,
+            "real_token_prices": self.real_token_prices, "cut_rows": self.cut_rows, "objective": self.objective,
             "token_factor": round(self.token_factor(), 3),
+            "rates": [[b, round(self.rate(b), 4)] for b in sorted(self.rate_counts) if self.rate(b) is not None],
             "cost_model": self.cost_model.to_dict(),
         }
 
