@@ -50,7 +50,7 @@ from bench_serving import PROMPTS, resolve_dtype  # noqa: E402
 from specgate.drafting import NgramDrafter  # noqa: E402
 from specgate.serving import Scheduler, make_policy  # noqa: E402
 from specgate.serving.acceptance import FLAT_PRIOR, TRAFFIC_DECAY, AcceptanceStats  # noqa: E402
-from specgate.serving.policy import RATE_DECAY, RATE_MIN_STEPS, AdaptivePolicy, CostModel, SpeculationPolicy, monotone  # noqa: E402
+from specgate.serving.policy import AdaptivePolicy, CostModel, SpeculationPolicy, fold_rate, monotone, read_rate  # noqa: E402
 
 
 def greedy_outputs(target_name: str, dtype: str, length: int) -> dict:
@@ -110,9 +110,7 @@ class OraclePolicy(SpeculationPolicy):
         self.rate_counts: dict[int, list[float]] = {}
 
     def observe_step(self, batch, width_tokens, target_ms, emitted=None, drafted=None) -> None:
-        counts = self.rate_counts.setdefault(batch, [0.0, 0.0, 0.0])
-        for i, value in enumerate((1.0, float(emitted or 0), target_ms)):
-            counts[i] = RATE_DECAY * counts[i] + value
+        fold_rate(self.rate_counts, batch, float(emitted or 0), target_ms)
 
     @property
     def max_gamma(self) -> int:
@@ -121,8 +119,7 @@ class OraclePolicy(SpeculationPolicy):
     def choose(self, acceptance, caps=None) -> list[int]:
         batch = len(acceptance)
 
-        counts = self.rate_counts.get(batch)
-        rate = counts[1] / counts[2] if self.objective == "throughput" and counts and counts[0] >= RATE_MIN_STEPS else None
+        rate = read_rate(self.rate_counts, batch) if self.objective == "throughput" else None
 
         def goodput(width: int) -> float:
             gammas = [min(width, cap) for cap in caps]
@@ -278,8 +275,8 @@ def main() -> None:
             return OraclePolicy(args.gamma_max, table)
         if lane == "oracle-rate":
             return OraclePolicy(args.gamma_max, table, objective="throughput")
-        if lane in ("adaptive-rate", "adaptive-goodput"):  # the padded prices with either objective
-            return AdaptivePolicy(monotone(CostModel(target_ms=dict(calibration))), gamma_max=args.gamma_max, objective="throughput" if lane == "adaptive-rate" else "goodput")
+        if lane == "adaptive-rate":  # the default's padded prices, objective throughput
+            return AdaptivePolicy(monotone(CostModel(target_ms=dict(calibration))), gamma_max=args.gamma_max, objective="throughput")
         if lane in ("adaptive", "adaptive-real", "adaptive-cut", "adaptive-cells"):  # real-token prices, rows cut too, cells by real tokens
             cost = monotone(CostModel(target_ms=dict(calibration), real_cells=lane == "adaptive-cells"))
             policy = AdaptivePolicy(cost, gamma_max=args.gamma_max, real_token_prices=lane != "adaptive")

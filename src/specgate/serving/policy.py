@@ -85,6 +85,21 @@ RATE_MIN_STEPS = 5.0  # ... taken once this many (decayed) steps are in; before,
 Acceptance = float | Sequence[float] | None  # one alpha, conditional rates per position, or unknown
 
 
+def fold_rate(counts: dict[int, list[float]], batch: int, tokens: float, ms: float) -> None:
+    """One step's tokens and ms into a batch size's decayed [steps, tokens, ms] sums (RATE_DECAY)."""
+    sums = counts.setdefault(batch, [0.0, 0.0, 0.0])
+    for i, value in enumerate((1.0, tokens, ms)):
+        sums[i] = RATE_DECAY * sums[i] + value
+
+
+def read_rate(counts: dict[int, list[float]], batch: int) -> float | None:
+    """tokens / ms of a batch size's decayed sums once RATE_MIN_STEPS (decayed) steps are in; else None."""
+    sums = counts.get(batch)
+    if sums is None or sums[0] < RATE_MIN_STEPS or sums[2] <= 0.0:
+        return None
+    return sums[1] / sums[2]
+
+
 def _check_gamma(gamma: int, name: str = "gamma") -> int:
     if isinstance(gamma, bool) or not isinstance(gamma, int) or not 0 <= gamma <= 64:
         raise ValueError(f"{name}={gamma!r} is out of range: use an integer in 0..64 (0 = no drafting)")
@@ -454,7 +469,7 @@ class AdaptivePolicy(SpeculationPolicy):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r} is unknown: use one of {', '.join(OBJECTIVES)} (see AdaptivePolicy)")
         self.objective = objective
-        self.rate_counts: dict[int, list[float]] = {}  # batch -> decayed [steps, committed tokens, ms] (objective throughput)
+        self.rate_counts: dict[int, list[float]] = {}  # batch -> decayed [steps, predicted tokens, predicted ms] of its plans (objective throughput)
         self.cut_rows = cut_rows  # free drafts too: search plans that leave rows out (an ablation, with real_token_prices)
         self.incumbent: int | None = None  # width (max gamma) of the plan that ran last; None before the first
         self.plans_made = 0
@@ -579,9 +594,7 @@ class AdaptivePolicy(SpeculationPolicy):
             predicted_ms += float(draft_ms[(gammas[None] >= np.arange(1, width + 1)[:, None]).sum(axis=1)].sum())
         expected = goodput * predicted_ms  # rows + token_factor * the estimates' accepted drafts
         if self.objective == "throughput":
-            counts = self.rate_counts.setdefault(batch, [0.0, 0.0, 0.0])
-            for i, value in enumerate((1.0, expected, predicted_ms)):
-                counts[i] = RATE_DECAY * counts[i] + value
+            fold_rate(self.rate_counts, batch, expected, predicted_ms)
         self.last_prediction = (expected, predicted_ms, [float(f"{p[0]:.5g}") for p in plans])
         # priced only if asked (plans_priced: benchmarks' traces), at this decision's prices (costs() replaces, never
         # mutates, its arrays when the live correction moves)
@@ -669,10 +682,7 @@ class AdaptivePolicy(SpeculationPolicy):
         (decayed sums over its ~50 latest decisions there, RATE_DECAY; in the model's own units, so a bias of the
         estimates or prices common to all plans does not move the choice), once RATE_MIN_STEPS are in; else None
         (the goodput rule)."""
-        counts = self.rate_counts.get(batch) if self.objective == "throughput" else None
-        if counts is None or counts[0] < RATE_MIN_STEPS or counts[2] <= 0.0:
-            return None
-        return counts[1] / counts[2]
+        return read_rate(self.rate_counts, batch) if self.objective == "throughput" else None
 
     def observe_step(self, batch: int, width_tokens: int, target_ms: float, emitted: int | None = None, drafted: int | None = None) -> None:
         self.cost_model.observe(batch, width_tokens, target_ms, batch + drafted if self.real_token_prices and drafted is not None else None)
