@@ -234,17 +234,19 @@ main.main(sys.argv[1:])
 
 
 def test_serve_command_end_to_end_with_adaptive_policy(tiny_path):
-    """`specgate serve --port 0 --json` in a subprocess: calibrates, prints where it listens, answers, stops on SIGINT."""
+    """`specgate serve --port 0 --json` in a subprocess: calibrates, prints where it listens, answers, stops on SIGINT.
+    Without --gamma the adaptive policy gets gamma_max 8, the configuration the serving benchmarks measured."""
     import signal
     import subprocess
     import sys
 
-    args = ["serve", "--target", tiny_path, "--draft", "ngram", "--port", "0", "--policy", "adaptive", "--gamma", "4", "--json"]
+    args = ["serve", "--target", tiny_path, "--draft", "ngram", "--port", "0", "--policy", "adaptive", "--json"]
     proc = subprocess.Popen([sys.executable, "-c", CLI_SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         info = read_json_object(proc)  # the --json object, printed once listening
         assert info["host"] == "127.0.0.1" and info["port"] > 0 and info["policy"]["policy"] == "adaptive"
-        assert {tuple(row[:2]) for row in info["policy"]["cost_model"]["target_ms"]} == {(b, t) for b in (1, 2, 4, 8, 16) for t in calibration_tokens(4)}
+        assert info["policy"]["gamma_max"] == 8
+        assert {tuple(row[:2]) for row in info["policy"]["cost_model"]["target_ms"]} == {(b, t) for b in (1, 2, 4, 8, 16) for t in calibration_tokens(8)}
         _wait_for(lambda: _healthy(info["url"]))
         client = openai.OpenAI(base_url=info["url"] + "/v1", api_key="x", max_retries=0, timeout=60)
         response = client.completions.create(model=info["model"], prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True})
@@ -256,6 +258,17 @@ def test_serve_command_end_to_end_with_adaptive_policy(tiny_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_gamma_defaults_per_policy_and_bad_gamma_named():
+    """--gamma left out: fixed 4, adaptive gamma_max 8; given, it is used as is; out of range, refused by name."""
+    assert ServerConfig(target="t", policy="fixed").resolved_gamma() == 4
+    assert ServerConfig(target="t", policy="adaptive").resolved_gamma() == 8
+    assert ServerConfig(target="t", policy="adaptive", gamma=3).resolved_gamma() == 3
+    assert ServerConfig(target="t", policy="fixed", gamma=0).resolved_gamma() == 0
+    for bad in (-1, 65, 2.5):
+        with pytest.raises(ValueError, match=f"--gamma {bad!r} is out of range"):
+            ServerConfig(target="t", policy="fixed", gamma=bad).validate()
 
 
 def _healthy(url: str) -> bool:

@@ -17,7 +17,7 @@ def register(app: typer.Typer) -> None:
         host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default; 0.0.0.0 exposes the server)."),
         port: int = typer.Option(8000, help="TCP port (0 = any free port, printed at start)."),
         policy: str = typer.Option("adaptive", help="Speculation policy: adaptive (calibrated goodput model), fixed, table, off."),
-        gamma: int = typer.Option(4, help="Draft tokens per step for --policy fixed; the largest gamma --policy adaptive may pick."),
+        gamma: int = typer.Option(None, help="Draft tokens per step for --policy fixed (default 4); the largest gamma --policy adaptive may pick (default 8)."),
         gamma_table: str = typer.Option(None, help="--policy table: per-batch-size gamma, e.g. '1-4:4,5-8:2,9-64:0'."),
         api_key: str = typer.Option(None, envvar="SPECGATE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); prefer the SPECGATE_API_KEY environment variable (a command line is visible to other users in ps)."),
         max_num_seqs: int = typer.Option(8, help="KV slots: requests decoded at once."),

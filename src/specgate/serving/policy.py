@@ -66,7 +66,8 @@ import numpy as np
 
 POLICY_NAMES = ("adaptive", "fixed", "table", "off")
 CALIBRATION_BATCH_SIZES = (1, 2, 4, 8, 16)
-DEFAULT_GAMMA_MAX = 8
+DEFAULT_GAMMA_MAX = 8  # adaptive: the widest plan (at concurrency 1 the best fixed gamma here is 8)
+DEFAULT_FIXED_GAMMA = 4  # fixed: gamma when none is given
 DEFAULT_LIVE_RATE = 0.5  # weight of one measured step in a batch size's live factor (CostModel.observe)
 DEFAULT_CELL_DECAY = 0.97  # a shape's deviation: the mean of its ~30 latest steps (CostModel.observe)
 DEFAULT_CELL_PRIOR = 3.0  # pseudo-visits in a shape's deviation (a shape's first step moves its price a quarter of the way)
@@ -813,7 +814,7 @@ def monotone(cost: CostModel) -> CostModel:
     )
 
 
-def make_policy(name: str, *, gamma: int = 4, table: str | None = None, cost_model: CostModel | None = None) -> SpeculationPolicy:
+def make_policy(name: str, *, gamma: int = DEFAULT_FIXED_GAMMA, table: str | None = None, cost_model: CostModel | None = None) -> SpeculationPolicy:
     """Build a policy by name: 'off', 'fixed' (gamma), 'table' (table text), 'adaptive' (cost model, gamma_max=gamma)."""
     if name == "off":
         return OffPolicy()
