@@ -2,7 +2,7 @@
 
 Run: flock /tmp/specgate-heavy.lock .venv/bin/python bench/bench_slices.py --concurrency 1,2,4,8,16 --out bench/out/slices
      .venv/bin/python bench/bench_slices.py --table bench/out/slices/results.json   # the markdown table again
-     .venv/bin/python bench/bench_slices.py --pool bench/out/a/results.json,bench/out/b/results.json  # sweeps pooled
+     .venv/bin/python bench/bench_slices.py --pool bench/out/a/results.json,bench/out/b/results.json  # sweeps pooled (--plot P.png)
      .venv/bin/python bench/bench_slices.py --steps bench/out/slices/results.json  # per-width step table (--keep-steps runs)
 
 Why another serving benchmark: bench_serving.py runs each (lane, concurrency) point for 4-8 s and compares
@@ -139,39 +139,45 @@ def run_slice(scheduler: Scheduler, seconds: float) -> dict:
         scheduler.step()
     wall_s = time.perf_counter() - start
     trace = scheduler.trace
-    chunk, token = inter_token_latencies(trace)
     return {
         "tokens": sum(t["emitted"] for t in trace), "wall_s": wall_s, "steps": len(trace),
-        "itl_ms": chunk, "itl_token_ms": token, "widths": [t["width"] for t in trace],
+        "itl_chunks": [[round(ms, 2), emitted] for ms, emitted in chunk_intervals(trace)], "widths": [t["width"] for t in trace],
         "trace": [{k: t[k] for k in TRACE_KEYS} for t in trace],
     }
 
 
-def inter_token_latencies(trace: list[dict]) -> tuple[list[float], list[float]]:
-    """A slice's inter-token latencies (ms) in the two conventions of the serving benchmarks, from its decode
-    steps (the first step of the slice left out: its interval began under the previous lane):
-    - per chunk (vLLM's `vllm bench serve` ITL): one sample per request and step, the interval since that request's
-      previous step; with speculation a step hands a request 1..gamma+1 tokens at once, so this is the step time;
-    - per token (SGLang's bench_serving ITL): that interval divided evenly over the tokens the request got in the
-      step, one sample per token; the time a streamed token waits on average, lower when a step lands more tokens.
-    A request's first token (a row with no tokens before the step) is its TTFT, not an ITL, and is left out."""
-    chunk: list[float] = []
-    token: list[float] = []
+def chunk_intervals(trace: list[dict]) -> list[tuple[float, int]]:
+    """A slice's chunks: one (ms, tokens) per request and decode step, the interval since that request's previous
+    step and the tokens the step handed it (the slice's first step left out: its interval began under the
+    previous lane). A request's first token (a row with no tokens before the step) is its TTFT, not an ITL, and is
+    left out."""
+    chunks = []
     for previous, step in zip(trace, trace[1:]):
         interval = 1e3 * (step["end_s"] - previous["end_s"])
-        for emitted, before in zip(step["rows_emitted"], step["rows_before"]):
-            if before > 0 and emitted > 0:
-                chunk.append(interval)
-                token.extend([interval / emitted] * emitted)
-    return chunk, token
+        chunks += [(interval, emitted) for emitted, before in zip(step["rows_emitted"], step["rows_before"]) if before > 0 and emitted > 0]
+    return chunks
+
+
+def split_latencies(chunks: list) -> tuple[list[float], list[float]]:
+    """(ms, tokens) chunks -> inter-token latencies (ms) in the two conventions of the serving benchmarks:
+    - per chunk (vLLM's `vllm bench serve` ITL): one sample per chunk; with speculation a step hands a request
+      1..gamma+1 tokens at once, so this is the step time;
+    - per token (SGLang's bench_serving ITL): the chunk's interval divided evenly over its tokens, one sample per
+      token; the time a streamed token waits on average, lower when a step lands more tokens."""
+    return [ms for ms, _ in chunks], [ms / emitted for ms, emitted in chunks for _ in range(emitted)]
+
+
+def inter_token_latencies(trace: list[dict]) -> tuple[list[float], list[float]]:
+    """A slice's inter-token latencies (ms), per chunk and per token, from its decode steps (chunk_intervals)."""
+    return split_latencies(chunk_intervals(trace))
 
 
 def slice_latencies(piece: dict) -> tuple[list[float], list[float]]:
-    """A slice's (per chunk, per token) ITL samples: kept from the run, or recomputed from its kept trace (a
-    --keep-steps results.json read back); none where neither is there (results.json without --keep-steps, or
-    written before the trace kept end_s and the per-row counts)."""
-    if "itl_ms" in piece:
-        return piece["itl_ms"], piece["itl_token_ms"]
+    """A slice's (per chunk, per token) ITL samples: from its chunks (every results.json since run 31), or
+    recomputed from its kept trace (a --keep-steps results.json of runs 15-29 read back); none where neither is
+    there (run 30, or results.json written before the trace kept end_s and the per-row counts)."""
+    if "itl_chunks" in piece:
+        return split_latencies(piece["itl_chunks"])
     trace = piece.get("trace") or []
     if trace and all(k in trace[0] for k in ("end_s", "rows_emitted", "rows_before")):
         return inter_token_latencies(trace)
@@ -316,13 +322,18 @@ def main() -> None:
     parser.add_argument("--keep-steps", action="store_true", help="write every step's trace record (batch, width, ms, tokens) into results.json")
     parser.add_argument("--out", type=Path, default=Path("bench/out/slices"))
     parser.add_argument("--pool", default=None, help="comma list of results.json of sweeps of the same code: print adaptive / best other over all their rounds (no run)")
+    parser.add_argument("--plot", type=Path, default=None, help="with --pool, plot the pooled sweeps into this PNG")
     parser.add_argument("--judge", default=None,
                         help="with --pool, an A/B sweep's adaptive lane to judge (e.g. adaptive-cells) against the non-adaptive lanes")
     parser.add_argument("--table", type=Path, default=None, help="print the markdown table of an existing results.json and plot it into --out (no run)")
     parser.add_argument("--steps", type=Path, default=None, help="per-width table of the full-batch decode steps of a --keep-steps results.json (no run)")
     args = parser.parse_args()
     if args.pool:
-        for concurrency, summary in pool([json.loads(Path(f).read_text()) for f in args.pool.split(",")], args.judge):
+        pooled = pool([json.loads(Path(f).read_text()) for f in args.pool.split(",")], args.judge)
+        if args.plot:
+            plot({"points": [{"concurrency": c, "summary": summary} for c, summary in pooled]}, args.plot)
+            print(f"wrote {args.plot}")
+        for concurrency, summary in pooled:
             print(line(concurrency, summary))
             itl = [
                 f"{lane} {ms(v['itl_p50_ms'])}/{ms(v['itl_p95_ms'])} chunk, {ms(v['itl_token_p50_ms'], 1)}/{ms(v['itl_token_p95_ms'], 1)}/{ms(v['itl_token_mean_ms'], 1)} token"
@@ -382,7 +393,7 @@ def main() -> None:
                 "requests": loop.issued if args.keep_steps else None,
                 "adaptive": policy.describe() if policy is not None else None,
                 "slices": [
-                    {k: v for k, v in s.items() if k not in ("itl_ms", "itl_token_ms", "widths") and (k != "trace" or args.keep_steps)}
+                    {k: v for k, v in s.items() if k != "trace" or args.keep_steps}  # chunks and widths kept: pools read their ITL
                     for s in slices
                 ],
             })

@@ -138,7 +138,7 @@ def test_serving_by_width_groups_the_largest_batch():
 
 
 def slice_row(lane: str, round_: int, tokens: int, wall_s: float) -> dict:
-    return {"lane": lane, "round": round_, "tokens": tokens, "wall_s": wall_s, "steps": 10, "itl_ms": [40.0, 60.0], "itl_token_ms": [20.0, 20.0, 60.0], "widths": [2, 4]}
+    return {"lane": lane, "round": round_, "tokens": tokens, "wall_s": wall_s, "steps": 10, "itl_chunks": [[40.0, 2], [60.0, 1]], "widths": [2, 4]}
 
 
 def test_slices_summary_pools_rounds_and_pairs_them():
@@ -161,12 +161,12 @@ def test_slices_summary_pools_rounds_and_pairs_them():
     assert not load("bench_slices").summarize(below, ["off", "fixed g=4", "adaptive"], [0, 1, 2])["met"]
 
 
-def test_slices_pool_merges_sweeps_round_by_round():
+def test_slices_pool_merges_sweeps_round_by_round(tmp_path):
     """bench_slices.pool: two sweeps' stored points (results.json keeps no step intervals) pooled per concurrency,
     rounds renumbered so that the second sweep's rounds are new rounds, warm-up rounds left out, a concurrency
     only one sweep has left out; the pooled ratio is the tokens / seconds ratio over both."""
     def point(c, rows):
-        slices = [{k: v for k, v in slice_row(*row).items() if k not in ("itl_ms", "itl_token_ms", "widths")} for row in rows]
+        slices = [{k: v for k, v in slice_row(*row).items() if k not in ("itl_chunks", "widths")} for row in rows]  # as run 30 kept them
         return {"concurrency": c, "summary": {"lanes": {"fixed g=2": {}, "adaptive": {}}}, "slices": slices}
     first = {"points": [
         point(4, [("fixed g=2", -1, 1, 1.0), ("adaptive", -1, 900, 1.0), ("fixed g=2", 0, 100, 1.0), ("adaptive", 0, 90, 1.0),
@@ -180,6 +180,8 @@ def test_slices_pool_merges_sweeps_round_by_round():
     assert summary["ratio"] == pytest.approx((445 / 5) / (500 / 5)) and len(summary["paired_ratios"]) == 4
     assert summary["paired_ratios"] == pytest.approx([0.9, 1.0, 0.8, 0.95]) and not summary["met"]
     assert summary["lanes"]["adaptive"]["itl_p50_ms"] is None
+    load("bench_slices").plot({"points": [{"concurrency": c, "summary": s} for c, s in pooled]}, tmp_path / "pooled.png")  # --pool --plot
+    assert (tmp_path / "pooled.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a record written with --keep-steps keeps each step's end time and per-row counts: pooled ITL from its trace
     trace = [{"end_s": 1.0, "rows_emitted": [1], "rows_before": [3]}, {"end_s": 1.05, "rows_emitted": [5], "rows_before": [4]}]
     kept = {"points": [point(4, [("fixed g=2", 0, 100, 1.0), ("adaptive", 0, 100, 1.0)])]}
@@ -190,7 +192,7 @@ def test_slices_pool_merges_sweeps_round_by_round():
     # an A/B sweep with two adaptive lanes: --judge picks the one judged as `adaptive`; the other is left out of
     # the lanes it is judged against (negative control: without --judge the second adaptive lane is an "other")
     ab = {"points": [{"concurrency": 4, "summary": {"lanes": {"fixed g=2": {}, "adaptive": {}, "adaptive-cells": {}}}, "slices": [
-        {k: v for k, v in slice_row(*row).items() if k not in ("itl_ms", "itl_token_ms", "widths")}
+        {k: v for k, v in slice_row(*row).items() if k not in ("itl_chunks", "widths")}
         for row in [("fixed g=2", 0, 100, 1.0), ("adaptive", 0, 150, 1.0), ("adaptive-cells", 0, 120, 1.0)]]}]}
     judged = load("bench_slices").pool([ab], "adaptive-cells")[0][1]
     assert list(judged["lanes"]) == ["fixed g=2", "adaptive"] and judged["ratio"] == pytest.approx(1.2)
@@ -233,8 +235,10 @@ def test_slices_closed_loop_on_a_real_scheduler(tiny_model_dir):
     assert second["tokens"] == sum(t["emitted"] for t in scheduler.trace)
     steps = scheduler.trace
     continuing = [(e, b) for t in steps[1:] for e, b in zip(t["rows_emitted"], t["rows_before"]) if b > 0 and e > 0]
-    assert len(second["itl_ms"]) == len(continuing) > 0 and len(second["itl_token_ms"]) == sum(e for e, _ in continuing)
-    assert sum(second["itl_token_ms"]) == pytest.approx(sum(second["itl_ms"]))  # each chunk split over its tokens
+    assert [e for _, e in second["itl_chunks"]] == [e for e, _ in continuing] and continuing  # kept in results.json
+    chunk, token = bench.slice_latencies(json.loads(json.dumps(second)))  # read back as a pool reads it
+    assert len(chunk) == len(continuing) and len(token) == sum(e for e, _ in continuing)
+    assert sum(token) == pytest.approx(sum(chunk), rel=1e-3)  # each chunk split over its tokens
     assert all(sum(t["rows_emitted"]) == t["emitted"] and len(t["rows_before"]) == t["batch"] for t in steps)
     # varied lengths (--length-spread): every request's max_tokens within max_tokens * (1 +- spread), not all alike
     spread = bench.ClosedLoop(Scheduler(target, "ngram", OffPolicy(), num_slots=4, max_seq_len=64), prompts, 4, max_tokens=10, spread=0.5)
