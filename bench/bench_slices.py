@@ -173,7 +173,7 @@ def inter_token_latencies(trace: list[dict]) -> tuple[list[float], list[float]]:
 
 
 def slice_latencies(piece: dict) -> tuple[list[float], list[float]]:
-    """A slice's (per chunk, per token) ITL samples: from its chunks (every results.json since run 31), or
+    """A slice's (per chunk, per token) ITL samples: from its chunks (results.json written after run 30), or
     recomputed from its kept trace (a --keep-steps results.json of runs 15-29 read back); none where neither is
     there (run 30, or results.json written before the trace kept end_s and the per-row counts)."""
     if "itl_chunks" in piece:
