@@ -8,7 +8,9 @@ next (closed loop). Method (built to beat this shared 2-core VM's 20-30% run-to-
   per client (every lane alike: kernels, caches and, for the adaptive lane, its acceptance and cost estimates
   reach the state a running server is in, so the repeats measure that state, not the first minute);
 - lanes interleaved: for each repeat, for each C, every lane runs one point, in an order rotated per repeat, so
-  lanes compared at one C ran minutes apart at most and none always goes first;
+  lanes compared at one C ran minutes apart at most and none always goes first; a rotation keeps each lane after
+  the same one (adaptive, listed last, follows fixed gamma 8 in most repeats), `--order balanced` has each lane
+  follow every other equally often (a Williams design, as bench_slices.py's);
 - `--repeats` repeats of the whole sweep (identical workloads); medians over repeats, with the spread (min-max),
   and paired ratios (adaptive / lane in the same repeat) that cancel slow drifts of the machine;
 - throughput is steady-state: tokens committed between the first finished request of a point (the synchronised
@@ -42,6 +44,7 @@ import asyncio
 import json
 import math
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -339,6 +342,27 @@ def paired_ratios(rows: list[dict], concurrency: int, lane: str) -> list[float]:
     return [mine[k] / theirs[k] for k in sorted(mine) if k in theirs]
 
 
+def lane_order(labels: list[str], index: int, order: str = "rotate") -> list[str]:
+    """The lanes' order in round `index` (bench_slices.py: warm-up rounds counted; here: repeat + the
+    concurrency's index, so each concurrency's repeats run consecutive rows). rotate: a cyclic shift by `index`, so every
+    round's lanes start from a different one, but each lane always follows the same lane (the one before it in
+    the list, or the previous round's last), and inherits the requests in flight, and their estimates, from it.
+    balanced: a Williams design: round i runs (base + i) mod n with base 0, 1, n-1, 2, n-2, ..., and for odd n
+    every second block of n rounds runs those orders reversed; over 2n rounds (n for even n) every lane runs at
+    every position equally often and follows every other lane equally often (first-order carry-over balanced)."""
+    n = len(labels)
+    if order == "rotate":
+        shift = index % n
+        return labels[shift:] + labels[:shift]
+    if order != "balanced":
+        raise ValueError(f"order={order!r} is unknown: use rotate or balanced")
+    base = [0]
+    for k in range(1, n):
+        base.append((k + 1) // 2 if k % 2 else n - k // 2)
+    row = [labels[(b + index) % n] for b in base]
+    return row[::-1] if n % 2 and (index // n) % 2 else row
+
+
 def lane_label(lane: str, gamma: int, gamma_max: int) -> tuple[str, str, int]:
     name, gamma = parse_lane(lane, gamma_max if lane.startswith("adaptive") else gamma)
     return name, f"fixed g={gamma}" if name == "fixed" else name, gamma
@@ -357,6 +381,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--lanes", default="off,fixed,adaptive", help="comma list of off, fixed, fixed=G, adaptive")
     parser.add_argument("--prompts", default="repetitive", choices=sorted(PROMPTS))
+    parser.add_argument("--order", choices=("rotate", "balanced"), default="rotate",
+                        help="lane order per repeat: rotate (a cyclic shift: each lane always follows the same one) or balanced "
+                             "(Williams: each lane follows every other equally often over 2 x lanes repeats; see lane_order)")
     parser.add_argument("--http", action="store_true", help="through the real server and a streaming HTTP client")
     parser.add_argument("--out", type=Path, default=Path("bench/out/serving"))
     parser.add_argument("--merge", default=None, help="comma list of results.json files: print their goals together and plot them (no run)")
@@ -391,8 +418,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             for index, concurrency in enumerate(concurrencies):
                 per_client = max(2, math.ceil(args.requests_per_point / concurrency))
-                shift = (repeat + index) % len(lanes)
-                for lane in lanes[shift:] + lanes[:shift]:
+                for lane in lane_order(lanes, repeat + index, args.order):
                     name, label, gamma = lane_label(lane, args.gamma, gamma_max)
                     if args.http:
                         policy = make_policy(name, gamma=gamma, cost_model=cost_model)
@@ -437,10 +463,14 @@ def main() -> None:
 
 def merge(paths: list[Path], out: Path) -> None:
     """Several runs (e.g. low and high concurrencies, each under its own lock) as one sweep: goals and plot."""
-    records = [json.loads(path.read_text()) for path in paths]
-    rows = [row for record in records for row in record["rows"]]
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from serving_table import pooled_goals, pooled_rows  # serving_table imports this module: import late
+
+    rows = pooled_rows([str(path) for path in paths])  # a file's repeats numbered after the previous file's
     summary = aggregate(rows)
-    for line in goals(rows, summary)[0]:
+    for line in goals(rows, summary)[0] + pooled_goals(rows):
         print(line)
     out.mkdir(parents=True, exist_ok=True)
     plot(summary, out / "serving_sweep.png")

@@ -54,7 +54,7 @@ from rich.progress import Progress
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import PROMPTS, lane_label, resolve_dtype  # noqa: E402
+from bench_serving import PROMPTS, lane_label, lane_order, resolve_dtype  # noqa: E402
 
 from specgate.models import load_model  # noqa: E402
 from specgate.sampling import SamplingParams  # noqa: E402
@@ -95,26 +95,6 @@ class ClosedLoop:
 TRACE_KEYS = ("end_s", "batch", "width", "drafted", "emitted", "rows_emitted", "rows_before", "step_ms", "forward_ms",
               "prefill_tokens", "predicted_tokens", "predicted_ms", "predicted_goodputs", "rows_id", "rows_caps", "rows_drafts",
               "predicted_plans")
-
-
-def lane_order(labels: list[str], index: int, order: str = "rotate") -> list[str]:
-    """The lanes' order in round `index` (warm-up rounds counted). rotate: a cyclic shift by `index`, so every
-    round's lanes start from a different one, but each lane always follows the same lane (the one before it in
-    the list, or the previous round's last), and inherits the requests in flight, and their estimates, from it.
-    balanced: a Williams design: round i runs (base + i) mod n with base 0, 1, n-1, 2, n-2, ..., and for odd n
-    every second block of n rounds runs those orders reversed; over 2n rounds (n for even n) every lane runs at
-    every position equally often and follows every other lane equally often (first-order carry-over balanced)."""
-    n = len(labels)
-    if order == "rotate":
-        shift = index % n
-        return labels[shift:] + labels[:shift]
-    if order != "balanced":
-        raise ValueError(f"order={order!r} is unknown: use rotate or balanced")
-    base = [0]
-    for k in range(1, n):
-        base.append((k + 1) // 2 if k % 2 else n - k // 2)
-    row = [labels[(b + index) % n] for b in base]
-    return row[::-1] if n % 2 and (index // n) % 2 else row
 
 
 def make_lane_policy(name: str, gamma: int, cost_model: CostModel | None) -> SpeculationPolicy:

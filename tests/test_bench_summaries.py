@@ -118,6 +118,72 @@ def test_perf_summary_medians(tmp_path, capsys):
     assert "V(t), median over repeats: t=1 1.00, t=2 1.10, t=3 1.20" in out
 
 
+def test_serving_table_pools_windows_with_a_bootstrap_over_repeats(tmp_path, capsys):
+    table = load("serving_table")
+    fixed = [100.0, 110.0, 90.0, 105.0, 95.0, 100.0]
+    share = [0.99, 0.95, 1.00, 0.96, 0.98, 0.94]
+    windows = [3.0, 2.5, 3.5, 3.0, 2.0, 4.0]
+
+    def rows(scale: float) -> list[dict]:
+        out = []
+        for r, (tok_s, window) in enumerate(zip(fixed, windows)):
+            for lane, speed in (("off", 40.0), ("fixed g=4", tok_s), ("adaptive", scale * share[r] * tok_s)):
+                out.append({**serving_row(lane, 4, r, speed), "window_s": window, "window_steps": 30})
+        # a repeat where only adaptive ran (an interrupted sweep) is left out of the pool, not counted against nobody
+        out.append({**serving_row("adaptive", 4, 6, 1000.0), "window_s": 3.0})
+        return out
+
+    lines = table.pooled_goals(rows(1.0))
+    # the ratio of pooled throughputs: tokens over seconds summed over repeats 0-5, each lane
+    expected = sum(s * f * w for s, f, w in zip(share, fixed, windows)) / sum(f * w for f, w in zip(fixed, windows))
+    assert len(lines) == 1 and lines[0].startswith(f"C=4: adaptive / best other (fixed g=4) = {expected:.3f} [")
+    low, high = (float(x) for x in lines[0].split("[")[1].split("]")[0].split("-"))
+    assert min(share) - 0.005 <= low <= expected <= high <= max(share) + 0.005 and high - low > 0.005  # repeats resampled
+    assert "pooled over 6 repeats" in lines[0] and f"held out {expected:.3f}" in lines[0] and lines[0].endswith("met (goal >= 0.95)")
+    # negative control: the same repeats at 0.93x are below the line
+    assert table.pooled_goals(rows(0.93))[0].endswith("MISSED (goal >= 0.95)")
+    table.main([write_results(tmp_path / "a.json", rows(1.0))])
+    assert "Pooled windows" in capsys.readouterr().out
+
+
+def test_serving_merge_pairs_each_files_repeats(tmp_path, capsys):
+    serving = load("bench_serving")
+    first = [{**serving_row(lane, 2, 0, v), "window_s": 3.0} for lane, v in (("fixed g=2", 10.0), ("adaptive", 10.0))]
+    second = [{**serving_row(lane, 2, 0, v), "window_s": 3.0} for lane, v in (("fixed g=2", 20.0), ("adaptive", 5.0))]
+    paths = [Path(write_results(tmp_path / "a.json", first)), Path(write_results(tmp_path / "b.json", second))]
+    serving.merge(paths, tmp_path / "out")
+    out = capsys.readouterr().out
+    # both files' repeat 0 kept, each paired with its own (without renumbering the second overwrote the first)
+    assert "paired per repeat 1.00, 0.25" in out
+    assert "= 0.500 [0.25-1.00] pooled over 2 repeats" in out  # (30 + 15) / (30 + 60) tokens over equal windows
+    assert (tmp_path / "out" / "serving_sweep.png").exists()
+
+
+def test_serving_sweep_end_to_end_in_balanced_order(tiny_model_dir, tmp_path, monkeypatch):
+    """bench_serving.py's main on a tiny random model: every (repeat, concurrency) runs each lane once, in the order
+    lane_order gives (--order balanced: a Williams design, so adaptive does not always follow the same lane), and
+    results.json holds what serving_table pools (a steady-state window per point)."""
+    serving = load("bench_serving")
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_serving.py", "--target", str(tiny_model_dir("llama")), "--concurrency", "1,2", "--repeats", "2",
+        "--requests-per-point", "4", "--max-tokens", "6", "--lanes", "off,fixed=2,fixed=3,adaptive", "--gamma-max", "3",
+        "--order", "balanced", "--out", str(out),
+    ])
+    serving.main()
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    labels = ["off", "fixed g=2", "fixed g=3", "adaptive"]
+    assert len(rows) == 2 * 2 * len(labels)
+    for block, (repeat, index) in enumerate((r, i) for r in range(2) for i in range(2)):
+        ran = rows[block * len(labels) : (block + 1) * len(labels)]
+        assert {row["repeat"] for row in ran} == {repeat} and {row["concurrency"] for row in ran} == {(1, 2)[index]}
+        assert [row["lane"] for row in ran] == serving.lane_order(labels, repeat + index, "balanced")
+    # negative control: the rotation puts adaptive after the same lane in every block, the balanced order does not
+    before = {serving.lane_order(labels, k, "balanced")[serving.lane_order(labels, k, "balanced").index("adaptive") - 1] for k in range(4)}
+    assert len(before) > 1 and len({serving.lane_order(labels, k)[serving.lane_order(labels, k).index("adaptive") - 1] for k in range(4)}) == 1
+    assert all(row["tokens"] == row["requests"] * 6 for row in rows)  # every request ran to its max_tokens (EOS ignored)
+
+
 def test_serving_table_needs_files():
     with pytest.raises(SystemExit):
         load("serving_table").main([])
