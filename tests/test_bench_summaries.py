@@ -184,6 +184,22 @@ def test_serving_sweep_end_to_end_in_balanced_order(tiny_model_dir, tmp_path, mo
     assert all(row["tokens"] == row["requests"] * 6 for row in rows)  # every request ran to its max_tokens (EOS ignored)
 
 
+def test_diag_ragged_groups_full_batch_steps_by_rows_able_to_draft():
+    diag = load("diag_ragged")
+    trace = [
+        {"batch": 8, "rows_caps": [8] * 8, "emitted": 32, "step_ms": 160.0, "width": 4},  # all rows
+        {"batch": 8, "rows_caps": [8] * 7 + [0], "emitted": 20, "step_ms": 100.0, "width": 2},  # all but 1
+        {"batch": 8, "rows_caps": [4, 4, 4, 0, 0, 1, 3, 0], "emitted": 12, "step_ms": 60.0, "width": 1},  # 3 rows reach 4
+        {"batch": 8, "rows_caps": [4, 4, 4, 0, 0, 1, 3, 0], "emitted": 18, "step_ms": 90.0, "width": 4},
+        {"batch": 8, "rows_caps": [0] * 8, "emitted": 8, "step_ms": 40.0, "width": 0},
+        {"batch": 7, "rows_caps": [8] * 7, "emitted": 30, "step_ms": 10.0, "width": 4},  # not a full batch: left out
+    ]
+    groups: dict = {}
+    diag.efficiency(trace, 8, 4, groups)
+    assert groups == {"all": [1, 32, 160.0, 4], "all but 1-2": [1, 20, 100.0, 2], "3-5": [2, 30, 150.0, 5], "0-2": [1, 8, 40.0, 0]}
+    assert diag.group_of([8] * 6 + [0, 0], 8, 4) == "all but 1-2" and diag.group_of([8] * 5 + [0] * 3, 8, 4) == "3-5"
+
+
 def test_serving_table_needs_files():
     with pytest.raises(SystemExit):
         load("serving_table").main([])
