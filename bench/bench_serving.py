@@ -25,6 +25,8 @@ The issue's goals: adaptive median throughput / best other lane's median at each
 at C=1 vs the best fixed-gamma lane's.
 
 Lanes: `off`, `fixed` (gamma --gamma) or `fixed=G`, `adaptive` (gamma_max --gamma-max, default --gamma).
+A lane with a `#tag` (`fixed=4#b`) is a second scheduler of the same setting, labelled `fixed g=4 #b`: a twin
+that measures the judge's own noise (serving_table.twin_controls) and, run after a different lane, the order's.
 Prompts: `repetitive` (input-grounded: lists, code, repeated sentences; high n-gram acceptance) or `prose`
 (open-ended questions and story starts; lower acceptance).
 --http: the same closed loop through the real server (specgate.serving.server.start_server on loopback) with
@@ -85,8 +87,10 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def parse_lane(lane: str, gamma: int) -> tuple[str, int]:
-    """'off' / 'adaptive' / 'fixed' / 'fixed=G' -> (policy name, gamma)."""
-    name, _, value = lane.partition("=")
+    """'off' / 'adaptive' / 'fixed' / 'fixed=G', each with an optional '#tag' -> (policy name, gamma)."""
+    name, _, value = lane.partition("#")[0].partition("=")
+    if name not in ("off", "fixed", "adaptive"):
+        raise ValueError(f"lane {lane!r}: the policy must be off, fixed, fixed=G or adaptive (with an optional #tag)")
     return name, int(value) if value else gamma
 
 
@@ -364,8 +368,13 @@ def lane_order(labels: list[str], index: int, order: str = "rotate") -> list[str
 
 
 def lane_label(lane: str, gamma: int, gamma_max: int) -> tuple[str, str, int]:
+    """(policy name, label, gamma). A '#tag' makes a second lane of the same policy, its own scheduler, labelled
+    'fixed g=4 #b': the order A/B runs one policy twice, after different lanes (bench/bench_serving.py --lanes
+    fixed=8,fixed=4,fixed=2,fixed=4#b)."""
     name, gamma = parse_lane(lane, gamma_max if lane.startswith("adaptive") else gamma)
-    return name, f"fixed g={gamma}" if name == "fixed" else name, gamma
+    tag = lane.partition("#")[2]
+    label = f"fixed g={gamma}" if name == "fixed" else name
+    return name, f"{label} #{tag}" if tag else label, gamma
 
 
 def main() -> None:
@@ -405,7 +414,7 @@ def main() -> None:
     max_seq_len = max(int(p.numel()) for p in prompts) + args.max_tokens + 1
     lanes = args.lanes.split(",")
     cost_model = None
-    if "adaptive" in lanes:
+    if any(lane.startswith("adaptive") for lane in lanes):
         with console.status("calibrating the adaptive policy's cost model"):
             start = time.perf_counter()
             cost_model = calibrate_cost_model(target.model, None if isinstance(draft, str) else draft.model, gamma_max=gamma_max)

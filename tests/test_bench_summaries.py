@@ -146,6 +146,67 @@ def test_serving_table_pools_windows_with_a_bootstrap_over_repeats(tmp_path, cap
     assert "Pooled windows" in capsys.readouterr().out
 
 
+def test_serving_table_twin_lanes_pool_with_their_setting_and_control_the_judge(tmp_path, capsys):
+    """A tagged twin ('fixed g=4 #b', bench_serving's lane fixed=4#b) is more of its setting in the goal, not one
+    more candidate, and twin_controls judges it against its setting as adaptive is judged; --lanes judges among
+    the lanes named, so that files with different lane sets pool."""
+    table = load("serving_table")
+    twin = [1.20, 1.00, 1.15, 1.05]  # the twin's throughput share of its setting's, per repeat (mean 1.10)
+
+    def rows(adaptive: float) -> list[dict]:
+        out = []
+        for r, share in enumerate(twin):
+            for lane, tok_s in (("off", 50.0), ("fixed g=4", 100.0), ("fixed g=4 #b", 100.0 * share), ("adaptive", adaptive)):
+                out.append({**serving_row(lane, 4, r, tok_s), "window_s": 2.0})
+        return out
+
+    # the setting pooled over both schedulers: (100 + 110) / 2 = 105 over equal windows, so adaptive at 105 is 1.000
+    # (had the twin been a candidate of its own, the judge would divide by its 110: 0.955)
+    lines = table.pooled_goals(rows(105.0))
+    assert lines[0].startswith("C=4: adaptive / best other (fixed g=4) = 1.000 [") and "pooled over 4 repeats" in lines[0]
+    assert table.pooled_goals(rows(105.0 * 0.93))[0].endswith("MISSED (goal >= 0.95)")  # negative control
+    control = table.twin_controls(rows(105.0))
+    assert len(control) == 1 and control[0].startswith("C=4: fixed g=4 #b / fixed g=4 = 1.100 [1.0")
+    assert "over 4 repeats" in control[0] and "range 1.00-1.20" in control[0]
+    # --lanes: a file without the off lane pools with one that has it (else none of its repeats is complete)
+    without_off = [row for row in rows(105.0) if row["lane"] != "off"]
+    mixed = table.pooled_rows([write_results(tmp_path / "a.json", rows(105.0)), write_results(tmp_path / "b.json", without_off)])
+    assert "pooled over 4 repeats" in table.pooled_goals(mixed)[0]
+    assert "pooled over 8 repeats" in table.pooled_goals(mixed, ["fixed g=4", "adaptive"])[0]
+    table.main(["--lanes", "fixed g=4,adaptive", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    out = capsys.readouterr().out
+    assert "(judged among fixed g=4, adaptive only)" in out and "Twin controls" in out
+    assert out.index("| fixed g=4 | 4 |") < out.index("| fixed g=4 #b | 4 |") < out.index("| adaptive | 4 |")  # lane_rank
+
+
+def test_serving_table_forwards_at_each_lanes_most_run_width():
+    table = load("serving_table")
+
+    def row(lane, repeat, cells):
+        return {**serving_row(lane, 4, repeat, 100.0), "steps": {"by_width_at_max_batch": {
+            str(w): {"count": n, "forward_ms_p50": f} for w, (n, f) in cells.items()}}}
+
+    rows = [
+        row("fixed g=4", 0, {4: (30, 80.0)}), row("fixed g=4", 1, {4: (30, 90.0)}),
+        row("adaptive", 0, {2: (10, 50.0), 5: (20, 95.0)}), row("adaptive", 1, {5: (25, 97.0)}),  # width 5: 45 of 55
+        {**serving_row("off", 4, 0, 50.0), "steps": {}},  # no trace: left out
+    ]
+    lines = table.forward_lines(rows)
+    assert lines == [
+        "C=4 fixed g=4: width 4 (60 of 60 full-batch steps), forward p50 per repeat 80.0, 90.0 ms, mean 85.0",
+        "C=4 adaptive: width 5 (45 of 55 full-batch steps), forward p50 per repeat 95.0, 97.0 ms, mean 96.0",
+    ]
+
+
+def test_serving_lane_tags_make_a_second_scheduler_of_one_setting():
+    serving = load("bench_serving")
+    assert serving.lane_label("fixed=4#b", 2, 8) == ("fixed", "fixed g=4 #b", 4)
+    assert serving.lane_label("fixed=4", 2, 8) == ("fixed", "fixed g=4", 4)
+    assert serving.lane_label("adaptive#2", 2, 8) == ("adaptive", "adaptive #2", 8)
+    with pytest.raises(ValueError, match="'fixd=4'.*off, fixed, fixed=G or adaptive"):
+        serving.lane_label("fixd=4", 2, 8)
+
+
 def test_serving_merge_pairs_each_files_repeats(tmp_path, capsys):
     serving = load("bench_serving")
     first = [{**serving_row(lane, 2, 0, v), "window_s": 3.0} for lane, v in (("fixed g=2", 10.0), ("adaptive", 10.0))]
@@ -198,6 +259,29 @@ def test_diag_ragged_groups_full_batch_steps_by_rows_able_to_draft():
     diag.efficiency(trace, 8, 4, groups)
     assert groups == {"all": [1, 32, 160.0, 4], "all but 1-2": [1, 20, 100.0, 2], "3-5": [2, 30, 150.0, 5], "0-2": [1, 8, 40.0, 0]}
     assert diag.group_of([8] * 6 + [0, 0], 8, 4) == "all but 1-2" and diag.group_of([8] * 5 + [0] * 3, 8, 4) == "3-5"
+
+
+def test_diag_plans_groups_full_batch_steps_by_the_width_chosen():
+    diag = load("diag_plans")
+
+    def step(width, emitted, step_ms, predicted_ms, goodputs, batch=4):
+        plans = [[w, 4 * w, 30.0 + 10.0 * w] for w in range(len(goodputs))]
+        return {"batch": batch, "width": width, "emitted": emitted, "step_ms": step_ms, "draft_ms": 0.0, "predicted_ms": predicted_ms,
+                "predicted_tokens": emitted - 1.0, "predicted_goodputs": goodputs, "predicted_plans": plans}
+
+    trace = [
+        step(2, 10, 50.0, 45.0, [0.10, 0.15, 0.20]),
+        step(2, 8, 50.0, 55.0, [0.12, 0.17, 0.18]),
+        step(1, 6, 40.0, 40.0, [0.10, 0.16, 0.15]),
+        step(2, 99, 1.0, 1.0, [9.0, 9.0, 9.0], batch=3),  # not a full batch: left out
+        {**step(1, 5, 40.0, 40.0, [0.1, 0.1]), "predicted_ms": None},  # no prediction (not the adaptive policy's plan)
+    ]
+    groups = diag.by_chosen_width(trace, 4)
+    assert sorted(groups) == [1, 2] and groups[2]["steps"] == 2 and groups[1]["steps"] == 1
+    assert groups[2]["measured_ms"] == 50.0 and groups[2]["predicted_ms"] == 50.0 and groups[2]["tokens"] == 9.0 and groups[2]["predicted_tokens"] == 8.0
+    assert groups[2]["tokens_per_ms"] == 18 / 100.0
+    assert groups[2]["plans"] == {0: (0.11, 30.0), 1: (0.16, 40.0), 2: (0.19, 50.0)}  # means over the two width-2 steps
+    assert groups[1]["plans"][1] == (0.16, 40.0)
 
 
 def test_serving_table_needs_files():
