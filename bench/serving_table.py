@@ -178,18 +178,11 @@ def main(argv: list[str]) -> None:
         print(f"(judged among {', '.join(lanes)} only)")
     for line in pooled_goals(rows, lanes):
         print(f"- {line}")
-    forwards = forward_lines(rows)
-    if forwards:
-        print()
-        print("Target forwards at each lane's most-run full-batch width (medians per repeat):")
-        for line in forwards:
-            print(f"- {line}")
-    twins = twin_controls(rows)
-    if twins:
-        print()
-        print("Twin controls (one setting on two schedulers, judged the same way):")
-        for line in twins:
-            print(f"- {line}")
+    for title, lines in (("Target forwards at each lane's most-run full-batch width (medians per repeat):", forward_lines(rows)),
+                         ("Twin controls (one setting on two schedulers, judged the same way):", twin_controls(rows))):
+        if lines:
+            print(f"\n{title}")
+            print("\n".join(f"- {line}" for line in lines))
 
 
 if __name__ == "__main__":
