@@ -11,7 +11,10 @@ match length is known, and with it what ANY gamma would have accepted at that st
   were (calibration of the estimates);
 - the same by quantile of the estimate (how much a request's own estimate tells: regression to the mean);
 - grouped by the width the policy chose, the accepted drafts per row predicted (estimates x the adaptive policy's
-  token factor) and realized had width W run, for W = 1..8: the counterfactual the policy's choice rests on.
+  token factor) and realized had width W run, for W = 1..8: the counterfactual the policy's choice rests on;
+- with --prior-weights 1,2,4,8,16,32: each request's estimate re-blended from the same counts with each weight of
+  the traffic's profile, scored (Brier, log loss) on every tested position: the weight that predicts the next
+  drafts best (run 41 set acceptance.REQUEST_PRIOR_WEIGHT by it).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from bench_slices import ClosedLoop  # noqa: E402
 
 from specgate.models import load_model  # noqa: E402
 from specgate.serving import Scheduler, calibrate_cost_model, make_policy  # noqa: E402
+from specgate.serving.acceptance import FLAT_PRIOR  # noqa: E402
 
 
 def collect(args) -> dict:
@@ -47,9 +51,13 @@ def collect(args) -> dict:
     log: list[dict] = []
     lookups, choose = scheduler._lookups, policy.choose
 
+    weights = [float(w) for w in args.prior_weights.split(",")] if args.prior_weights else []
+
     def recording_lookups(running, states, budgets):  # the proposals, with where each request stood
         out = lookups(running, states, budgets)
-        log.append({"rows": [(r, len(r.tokens), list(p)) for r, p in zip(running, out)]})
+        prior = scheduler.traffic_acceptance.profile(FLAT_PRIOR)  # what the step's profiles blend in (same stats)
+        log.append({"rows": [(r, len(r.tokens), list(p)) for r, p in zip(running, out)],
+                    "alternatives": [[r.acceptance_stats.profile(prior, weight=w)[:8].tolist() for w in weights] for r in running]})
         return out
 
     def recording_choose(acceptance, caps=None):  # what the policy was told and chose
@@ -71,25 +79,57 @@ def collect(args) -> dict:
         if "gammas" not in entry:
             continue
         rows = []
-        for (request, at, proposal), profile, cap, gamma in zip(entry["rows"], entry["profiles"], entry["caps"], entry["gammas"]):
+        for (request, at, proposal), profile, cap, gamma, alternatives in zip(entry["rows"], entry["profiles"], entry["caps"], entry["gammas"], entry["alternatives"]):
             known = request.tokens[at : at + len(proposal)]
             matched = next((k for k, (a, b) in enumerate(zip(known, proposal)) if a != b), len(known))
             resolved = matched < len(known) or len(known) == len(proposal)
-            rows.append({"m": matched, "len": len(proposal), "resolved": resolved, "profile": profile, "cap": cap, "gamma": int(gamma)})
+            row = {"m": matched, "len": len(proposal), "resolved": resolved, "profile": profile, "cap": cap, "gamma": int(gamma)}
+            if weights:
+                row["alternatives"] = [[round(x, 5) for x in a] for a in alternatives]
+            rows.append(row)
         steps.append({"rows": rows, "token_factor": entry["token_factor"]})
-    return {"args": {k: str(v) for k, v in vars(args).items()}, "requests_finished": loop.finished, "steps": steps}
+    return {"args": {k: str(v) for k, v in vars(args).items()}, "requests_finished": loop.finished, "steps": steps, "prior_weights": weights}
+
+
+def position_tests(steps: list[dict], key=lambda row: row["profile"]) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """Every tested draft position k (1..8) of the rows: the estimate of a_k (key(row)[k-1]) and the outcome (1 if
+    accepted). Position k is tested where positions 1..k-1 were accepted (the true match length m >= k - 1)."""
+    estimated, realized = defaultdict(list), defaultdict(list)
+    for step in steps:
+        for row in step["rows"]:
+            profile = key(row)
+            for k in range(1, min(row["len"], 8) + 1):
+                if row["m"] >= k - 1:
+                    estimated[k].append(profile[k - 1])
+                    realized[k].append(float(row["m"] >= k))
+    return estimated, realized
+
+
+def shrinkage_lines(steps: list[dict], weights: list[float]) -> list[str]:
+    """The request estimates re-blended with other prior weights (the same counts and traffic prior at each step):
+    the Brier score and log loss of every tested position, and the calibration of position 1 by quantile. The
+    weight with the lowest scores predicts the next drafts best."""
+    lines = ["", "Prior weight of a request's estimate (pseudo-tests of the traffic's profile; the scheduler's is "
+             "acceptance.REQUEST_PRIOR_WEIGHT): scores over all tested positions 1-8, and position 1 by quantile (estimated / accepted)", "",
+             "| prior weight | tests | Brier | log loss | a_1 lowest 10% | 10-25% | 25-50% | 50-75% | top 25% |", "|---|---|---|---|---|---|---|---|---|"]
+    for index, weight in enumerate(weights):
+        estimated, realized = position_tests(steps, key=lambda row, i=index: row["alternatives"][i])
+        e = np.concatenate([np.array(estimated[k]) for k in estimated])
+        y = np.concatenate([np.array(realized[k]) for k in realized])
+        clipped = np.clip(e, 1e-6, 1 - 1e-6)
+        brier = float(np.mean((e - y) ** 2))
+        log_loss = float(-np.mean(y * np.log(clipped) + (1 - y) * np.log(1 - clipped)))
+        e1, y1 = np.array(estimated[1]), np.array(realized[1])
+        bins = np.searchsorted(np.quantile(e1, [0.1, 0.25, 0.5, 0.75]), e1, side="right")
+        cells = [f"{e1[bins == b].mean():.3f} / {y1[bins == b].mean():.3f}" if (bins == b).any() else "-" for b in range(5)]
+        lines.append(f"| {weight:g} | {e.size} | {brier:.4f} | {log_loss:.4f} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def report(record: dict, concurrency: int) -> list[str]:
     steps = [s for s in record["steps"] if len(s["rows"]) == concurrency and all(r["resolved"] for r in s["rows"])]
     lines = [f"{len(steps)} full-batch steps whose proposals are all resolved", "", "| position k | tests | mean estimated a_k | accepted rate |", "|---|---|---|---|"]
-    estimated, realized = defaultdict(list), defaultdict(list)
-    for step in steps:
-        for row in step["rows"]:
-            for k in range(1, min(row["len"], 8) + 1):
-                if row["m"] >= k - 1:
-                    estimated[k].append(row["profile"][k - 1])
-                    realized[k].append(float(row["m"] >= k))
+    estimated, realized = position_tests(steps)
     lines += [f"| {k} | {len(estimated[k])} | {np.mean(estimated[k]):.3f} | {np.mean(realized[k]):.3f} |" for k in sorted(estimated)]
     lines += ["", "By estimate (rows split at the 10/25/50/75% quantiles of their estimated a_k): mean estimated / accepted rate", ""]
     lines += ["| position k | lowest 10% | 10-25% | 25-50% | 50-75% | top 25% |", "|---|---|---|---|---|---|"]
@@ -118,6 +158,8 @@ def report(record: dict, concurrency: int) -> list[str]:
             cells.append(f"{predicted * scale:.2f} / {actual * scale:.2f}")
         lines.append(f"| {width} | {len(group)} | " + " | ".join(cells) + " |")
     lines += ["", "cells: accepted drafts per row, predicted / realized, had width W run at those steps"]
+    if record.get("prior_weights"):
+        lines += shrinkage_lines(steps, record["prior_weights"])
     return lines
 
 
@@ -130,6 +172,7 @@ def main() -> None:
     parser.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed"])
     parser.add_argument("--gamma", type=int, default=8, help="fixed: gamma; adaptive: gamma_max")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prior-weights", default="", help="comma-separated prior weights to score the request estimates with (e.g. 1,2,4,8,16)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/acceptance"))
     parser.add_argument("--report", type=Path, default=None, help="print the tables of an existing results.json (no run)")
     args = parser.parse_args()

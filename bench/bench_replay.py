@@ -49,7 +49,7 @@ from bench_serving import PROMPTS, resolve_dtype  # noqa: E402
 
 from specgate.drafting import NgramDrafter  # noqa: E402
 from specgate.serving import Scheduler, make_policy  # noqa: E402
-from specgate.serving.acceptance import FLAT_PRIOR, TRAFFIC_DECAY, AcceptanceStats  # noqa: E402
+from specgate.serving.acceptance import FLAT_PRIOR, REQUEST_PRIOR_WEIGHT, TRAFFIC_DECAY, AcceptanceStats  # noqa: E402
 from specgate.serving.policy import AdaptivePolicy, CostModel, SpeculationPolicy, fold_rate, monotone, read_rate  # noqa: E402
 
 
@@ -155,7 +155,8 @@ def replay_lanes(policies: dict[str, SpeculationPolicy], data: dict, table: dict
     prompts, outputs = data["prompts"], data["outputs"]
     lengths, noise_rng = random.Random(concurrency), np.random.default_rng(seed)  # bench_slices.py's length stream
     # what the scheduler's own _lookups and _score_proposals read, so the replay proposes and scores as it does
-    holder = SimpleNamespace(traffic_acceptance=AcceptanceStats(TRAFFIC_DECAY), draft_kind="ngram", policy=None, lookup_tokens=lookup_tokens)
+    holder = SimpleNamespace(traffic_acceptance=AcceptanceStats(TRAFFIC_DECAY), draft_kind="ngram", policy=None, lookup_tokens=lookup_tokens,
+                             request_prior_weight=REQUEST_PRIOR_WEIGHT)
     low, high = round(max_tokens * (1 - spread)), round(max_tokens * (1 + spread))
     clock, sent = 0.0, 0
     totals = {label: {"emitted": 0, "ms": 0.0, "widths": []} for label in labels}
@@ -197,7 +198,7 @@ def replay_lanes(policies: dict[str, SpeculationPolicy], data: dict, table: dict
         if isinstance(policy, OraclePolicy):
             policy.truth = matches
         prior = holder.traffic_acceptance.profile(FLAT_PRIOR)
-        gammas = policy.choose([r.acceptance_stats.profile(prior) for r in requests], caps)
+        gammas = policy.choose([r.acceptance_stats.profile(prior, REQUEST_PRIOR_WEIGHT) for r in requests], caps)  # as Scheduler's default
         gammas = [max(0, min(int(g), cap)) for g, cap in zip(gammas, caps)]
         for r, state, proposal in zip(requests, states, lookups):
             if proposal:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import math
 import statistics
@@ -87,11 +88,29 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def parse_lane(lane: str, gamma: int) -> tuple[str, int]:
-    """'off' / 'adaptive' / 'fixed' / 'fixed=G', each with an optional '#tag' -> (policy name, gamma)."""
-    name, _, value = lane.partition("#")[0].partition("=")
+    """'off' / 'adaptive' / 'fixed' / 'fixed=G', each with an optional ':prior=W' and '#tag' -> (policy name, gamma)."""
+    name, _, value = lane.partition("#")[0].partition(":")[0].partition("=")
     if name not in ("off", "fixed", "adaptive"):
-        raise ValueError(f"lane {lane!r}: the policy must be off, fixed, fixed=G or adaptive (with an optional #tag)")
+        raise ValueError(f"lane {lane!r}: the policy must be off, fixed, fixed=G or adaptive (with an optional :prior=W and #tag)")
+    lane_prior_weight(lane)
     return name, int(value) if value else gamma
+
+
+def lane_prior_weight(lane: str) -> float | None:
+    """'adaptive:prior=1' -> 1.0: the lane's schedulers weigh the traffic's acceptance profile by 1 pseudo-test in
+    each request's estimate (Scheduler request_prior_weight; default None: the scheduler's default). An A/B of the
+    shrinkage on the machine: --lanes fixed=4,adaptive,adaptive:prior=1."""
+    option = lane.partition("#")[0].partition(":")[2]
+    if not option:
+        return None
+    key, _, value = option.partition("=")
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = -1.0
+    if key != "prior" or not weight > 0:
+        raise ValueError(f"lane {lane!r}: the option must be :prior=W with W > 0 (pseudo-tests of the traffic's acceptance)")
+    return weight
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -372,8 +391,9 @@ def lane_label(lane: str, gamma: int, gamma_max: int) -> tuple[str, str, int]:
     'fixed g=4 #b': the order A/B runs one policy twice, after different lanes (bench/bench_serving.py --lanes
     fixed=8,fixed=4,fixed=2,fixed=4#b)."""
     name, gamma = parse_lane(lane, gamma_max if lane.startswith("adaptive") else gamma)
-    tag = lane.partition("#")[2]
+    tag, weight = lane.partition("#")[2], lane_prior_weight(lane)
     label = f"fixed g={gamma}" if name == "fixed" else name
+    label += f" prior={weight:g}" if weight is not None else ""
     return name, f"{label} #{tag}" if tag else label, gamma
 
 
@@ -435,9 +455,12 @@ def main() -> None:
                     else:
                         scheduler = schedulers.get((label, concurrency))
                         if scheduler is None:
-                            policy = make_policy(name, gamma=gamma, cost_model=cost_model)
+                            # each scheduler learns its own copy of the calibration, as a server of its own would
+                            policy = make_policy(name, gamma=gamma, cost_model=copy.deepcopy(cost_model))
+                            weight = lane_prior_weight(lane)
                             scheduler = schedulers[(label, concurrency)] = Scheduler(
-                                target, draft, policy, num_slots=concurrency, max_seq_len=max_seq_len, max_waiting=concurrency
+                                target, draft, policy, num_slots=concurrency, max_seq_len=max_seq_len, max_waiting=concurrency,
+                                **({} if weight is None else {"request_prior_weight": weight}),
                             )
                             scheduler.start()
                             run_point(scheduler, prompts, concurrency, 1, args.max_tokens)  # warm-up: one full request per client
@@ -460,13 +483,15 @@ def main() -> None:
     record = {
         "args": {k: str(v) for k, v in vars(args).items()}, "dtype": str(dtype),
         "path": "HTTP (server + streaming client)" if args.http else "in process", "sweep_s": sweep_s,
-        "cost_model": cost_model.to_dict() if cost_model else None, "goals": lines, "verdicts": verdicts,
+        "cost_model": cost_model.to_dict() if cost_model else None,  # the calibration; each scheduler learnt a copy:
+        "cost_models": {f"{label} C={c}": s.policy.cost_model.to_dict() for (label, c), s in schedulers.items() if hasattr(s.policy, "cost_model")},
+        "goals": lines, "verdicts": verdicts,
         "summary": summary, "rows": rows,
     }
     (args.out / "results.json").write_text(json.dumps(record, indent=2))
     plot(summary, args.out / "serving_sweep.png")
-    if cost_model is not None:
-        console.print(f"adaptive cost model after the sweep (live correction per grid point): {cost_model.to_dict()['live_correction']}")
+    for key, learnt in record["cost_models"].items():
+        console.print(f"{key} cost model after the sweep (live correction per grid point): {learnt['live_correction']}")
     console.print(f"sweep {sweep_s:.0f} s; wrote {args.out / 'results.json'} and {args.out / 'serving_sweep.png'}")
 
 

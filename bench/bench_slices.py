@@ -111,12 +111,15 @@ def make_lane_policy(name: str, gamma: int, cost_model: CostModel | None) -> Spe
     return make_policy(name, gamma=gamma, cost_model=cost_model)
 
 
-def run_slice(scheduler: Scheduler, seconds: float) -> dict:
-    """Step the scheduler for `seconds`; the slice's committed tokens, wall time and step intervals."""
+def run_slice(scheduler: Scheduler, seconds: float, min_steps: int = 0) -> dict:
+    """Step the scheduler for `seconds` and at least `min_steps` steps (tests size a slice by steps, which a loaded
+    host does not shrink); the slice's committed tokens, wall time and step intervals."""
     scheduler.trace = []
     start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    steps = 0
+    while time.perf_counter() - start < seconds or steps < min_steps:
         scheduler.step()
+        steps += 1
     wall_s = time.perf_counter() - start
     trace = scheduler.trace
     return {

@@ -158,14 +158,32 @@ def lane_rank(lane: str) -> tuple[int, int, str]:
     return (2, 0, tag)
 
 
+def judge_rows(rows: list[dict], lane: str) -> list[dict]:
+    """Judge another adaptive variant ('adaptive prior=1', bench_serving.py's lane adaptive:prior=1) as the goal
+    judges adaptive: its rows are labelled 'adaptive', and the default adaptive lane's 'adaptive (default)', a
+    candidate like any other unless --lanes leaves it out."""
+    if not any(row["lane"] == lane for row in rows):
+        raise SystemExit(f"--judge {lane!r}: no such lane in the results (lanes: {sorted({row['lane'] for row in rows})})")
+    rename = {lane: "adaptive", "adaptive": "adaptive (default)"}
+    return [{**row, "lane": rename.get(row["lane"], row["lane"])} for row in rows]
+
+
 def main(argv: list[str]) -> None:
-    lanes = None
-    if argv[:1] == ["--lanes"] and len(argv) > 1:
-        lanes, argv = argv[1].split(","), argv[2:]
+    lanes, judge = None, None
+    while argv[:1] in (["--lanes"], ["--judge"]) and len(argv) > 1:
+        if argv[0] == "--lanes":
+            lanes = argv[1].split(",")
+        else:
+            judge = argv[1]
+        argv = argv[2:]
     paths = argv
     if not paths:
-        raise SystemExit('usage: serving_table.py [--lanes "fixed g=2,fixed g=4,adaptive"] RESULTS.json [RESULTS.json ...] (bench_serving.py\'s --out directories)')
+        raise SystemExit('usage: serving_table.py [--lanes "fixed g=2,fixed g=4,adaptive"] [--judge "adaptive prior=1"] RESULTS.json [RESULTS.json ...] '
+                         "(bench_serving.py's --out directories)")
     rows = pooled_rows(paths)
+    if judge:
+        rows = judge_rows(rows, judge)
+        print(f"(judging {judge} as adaptive)")
     summary = aggregate(rows)
     summary.sort(key=lambda r: (lane_rank(r["lane"]), r["concurrency"]))
     print("\n".join(table(summary)))

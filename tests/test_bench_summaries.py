@@ -205,6 +205,35 @@ def test_serving_lane_tags_make_a_second_scheduler_of_one_setting():
     assert serving.lane_label("adaptive#2", 2, 8) == ("adaptive", "adaptive #2", 8)
     with pytest.raises(ValueError, match="'fixd=4'.*off, fixed, fixed=G or adaptive"):
         serving.lane_label("fixd=4", 2, 8)
+    # an adaptive variant: its schedulers weigh the traffic's acceptance by W pseudo-tests in a request's estimate
+    assert serving.lane_label("adaptive:prior=1", 2, 8) == ("adaptive", "adaptive prior=1", 8)
+    assert serving.lane_label("adaptive:prior=1#b", 2, 8) == ("adaptive", "adaptive prior=1 #b", 8)
+    assert serving.lane_prior_weight("adaptive:prior=2.5") == 2.5 and serving.lane_prior_weight("adaptive") is None
+    for bad in ("adaptive:prior=0", "adaptive:prior=x", "adaptive:weight=1"):
+        with pytest.raises(ValueError, match="the option must be :prior=W with W > 0"):
+            serving.lane_label(bad, 2, 8)
+
+
+def test_serving_table_judges_an_adaptive_variant(tmp_path, capsys):
+    """--judge 'adaptive prior=1': the variant is judged as adaptive is (among --lanes), the default adaptive lane
+    renamed 'adaptive (default)' and left out unless named."""
+    table = load("serving_table")
+    rows = []
+    for r in range(4):
+        for lane, tok_s in (("fixed g=4", 100.0), ("adaptive", 99.0), ("adaptive prior=1", 90.0)):
+            rows.append({**serving_row(lane, 4, r, tok_s), "window_s": 2.0})
+    judged = table.judge_rows(rows, "adaptive prior=1")
+    assert sorted({row["lane"] for row in judged}) == ["adaptive", "adaptive (default)", "fixed g=4"]
+    assert table.pooled_goals(judged, ["fixed g=4", "adaptive"])[0].startswith("C=4: adaptive / best other (fixed g=4) = 0.900 [")
+    assert table.pooled_goals(rows, ["fixed g=4", "adaptive"])[0].startswith("C=4: adaptive / best other (fixed g=4) = 0.990 [")  # control
+    # unrestricted, the default adaptive lane is one more candidate: 90 / 100 still (the best other is fixed g=4)
+    assert "= 0.900 [" in table.pooled_goals(judged)[0]
+    path = write_results(tmp_path / "a.json", rows)
+    table.main(["--lanes", "fixed g=4,adaptive", "--judge", "adaptive prior=1", path])
+    out = capsys.readouterr().out
+    assert "(judging adaptive prior=1 as adaptive)" in out and "= 0.900 [" in out
+    with pytest.raises(SystemExit, match="no such lane"):
+        table.judge_rows(rows, "adaptive prior=2")
 
 
 def test_serving_merge_pairs_each_files_repeats(tmp_path, capsys):
@@ -243,6 +272,53 @@ def test_serving_sweep_end_to_end_in_balanced_order(tiny_model_dir, tmp_path, mo
     before = {serving.lane_order(labels, k, "balanced")[serving.lane_order(labels, k, "balanced").index("adaptive") - 1] for k in range(4)}
     assert len(before) > 1 and len({serving.lane_order(labels, k)[serving.lane_order(labels, k).index("adaptive") - 1] for k in range(4)}) == 1
     assert all(row["tokens"] == row["requests"] * 6 for row in rows)  # every request ran to its max_tokens (EOS ignored)
+
+
+def test_serving_adaptive_variant_lane_gets_its_weight_and_each_scheduler_its_own_cost_model(tiny_model_dir, tmp_path, monkeypatch):
+    """--lanes ...,adaptive:prior=2: that lane's schedulers blend 2 pseudo-tests of the traffic's acceptance into a
+    request's estimate (the others the default 8), and every adaptive scheduler learns its own copy of the one
+    calibration (runs 31-36 shared one object between concurrencies), each kept in results.json."""
+    from specgate.serving.acceptance import REQUEST_PRIOR_WEIGHT
+
+    serving = load("bench_serving")
+    made = []
+
+    class Recording(serving.Scheduler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(serving, "Scheduler", Recording)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_serving.py", "--target", str(tiny_model_dir("llama")), "--concurrency", "1,2", "--repeats", "1",
+        "--requests-per-point", "2", "--max-tokens", "5", "--lanes", "fixed=2,adaptive,adaptive:prior=2", "--gamma-max", "3", "--out", str(out),
+    ])
+    serving.main()
+    assert sorted(s.request_prior_weight for s in made) == [2.0, 2.0] + [REQUEST_PRIOR_WEIGHT] * 4
+    models = [s.policy.cost_model for s in made if hasattr(s.policy, "cost_model")]
+    assert len(models) == 4 and len({id(m) for m in models}) == 4
+    record = json.loads((out / "results.json").read_text())
+    assert set(record["cost_models"]) == {"adaptive C=1", "adaptive C=2", "adaptive prior=2 C=1", "adaptive prior=2 C=2"}
+    assert all(m["observations"] > 0 for m in record["cost_models"].values()) and record["cost_model"]["observations"] == 0
+    assert {row["lane"] for row in record["rows"]} == {"fixed g=2", "adaptive", "adaptive prior=2"}
+
+
+def test_diag_shapes_times_each_case_after_its_predecessor(tiny_model_dir, monkeypatch, capsys):
+    diag = load("diag_shapes")
+    assert diag.parse_case("w4<w8", 4) == ("w4<w8", [4] * 4, [8] * 4)
+    assert diag.parse_case("4/4/2/0<w4", 4) == ("4/4/2/0<w4", [4, 4, 2, 0], [4] * 4)
+    with pytest.raises(ValueError, match="needs 'TIMED<BEFORE'"):
+        diag.parse_case("w4", 4)
+    with pytest.raises(ValueError, match="lists 3 rows, the batch is 4"):
+        diag.parse_case("4/4/2<w4", 4)
+    monkeypatch.setattr(sys, "argv", ["diag_shapes.py", "--target", str(tiny_model_dir("llama")), "--batch", "2", "--context", "12",
+                                      "--rounds", "3", "--cases", "w2<w2,2/0<w3,w3<w0"])
+    diag.main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("batch 2, context 12, 3 rounds") and len(lines) == 4
+    assert lines[1].split()[0] == "w2<w2" and lines[1].endswith("ratio 1.000")  # the first case is the reference
+    assert [line.split()[0] for line in lines[2:]] == ["2/0<w3", "w3<w0"] and all(float(line.split()[2]) > 0 for line in lines[1:])
 
 
 def test_diag_ragged_groups_full_batch_steps_by_rows_able_to_draft():
@@ -560,7 +636,7 @@ def test_counterfactual_rebuilds_each_row_and_prices_every_width(tiny_model_dir)
     pieces = []
     for index, policy in enumerate([FixedPolicy(2), adaptive, FixedPolicy(2), adaptive]):
         scheduler.policy = policy
-        piece = slices.run_slice(scheduler, 0.4)
+        piece = slices.run_slice(scheduler, 0.0, min_steps=150)  # steps, not seconds: a loaded host must not empty a slice
         pieces.append({"lane": "fixed g=2" if isinstance(policy, FixedPolicy) else "adaptive", "round": index // 2, **piece})
     record = {"points": [{"concurrency": 2, "requests": loop.issued, "adaptive": {"cost_model": adaptive.cost_model.to_dict()},
                           "slices": pieces}]}
@@ -575,3 +651,33 @@ def test_counterfactual_rebuilds_each_row_and_prices_every_width(tiny_model_dir)
     tampered = {"prompts": data["prompts"], "outputs": [o[:3] + o[4:] + [0] for o in data["outputs"]]}  # one token dropped
     [bad] = bench.analyse(record, tampered, 8)
     assert bad["lanes"]["fixed g=2"]["diverged"] > 0 and bad["lanes"]["fixed g=2"].get("steps", 0) < fixed["steps"]
+
+
+def test_acceptance_scores_rank_prior_weights_by_how_well_they_predict():
+    """bench_acceptance.py --prior-weights: each weight's re-blended estimates are scored on every tested position
+    (Brier, log loss). A weight whose estimates equal the rows' true rate scores the Brier of a fair coin at that
+    rate; one whose estimates scatter around it scores worse (the negative control: the same data, ranked the
+    other way round if the columns are swapped)."""
+    import numpy as np
+
+    bench = load("bench_acceptance")
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(500):
+        rows = []
+        for _ in range(4):
+            m = int(rng.random() < 0.8)  # position 1 accepted at 0.8; position 2 never proposed (len 1)
+            noisy = float(rng.choice([0.5, 0.99]))
+            rows.append({"m": m, "len": 1, "resolved": True, "profile": [noisy], "cap": 1, "gamma": 1, "alternatives": [[0.8], [noisy]]})
+        steps.append({"rows": rows, "token_factor": 1.0})
+    estimated, realized = bench.position_tests(steps, key=lambda row: row["alternatives"][0])
+    assert list(estimated) == [1] and len(estimated[1]) == 2000 and abs(np.mean(realized[1]) - 0.8) < 0.03
+    lines = bench.shrinkage_lines(steps, [8.0, 1.0])
+    good, bad = (line.split(" | ") for line in lines[-2:])
+    assert good[0] == "| 8" and bad[0] == "| 1" and good[1] == bad[1] == "2000"
+    y = np.array(realized[1])
+    assert float(good[2]) == pytest.approx(np.mean((0.8 - y) ** 2), abs=1e-4) and float(good[2]) < float(bad[2])
+    assert float(good[3]) < float(bad[3])  # log loss too
+    swapped = [{**step, "rows": [{**row, "alternatives": row["alternatives"][::-1]} for row in step["rows"]]} for step in steps]
+    first, second = (line.split(" | ") for line in bench.shrinkage_lines(swapped, [8.0, 1.0])[-2:])
+    assert float(first[2]) > float(second[2])

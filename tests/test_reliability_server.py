@@ -218,6 +218,8 @@ def test_nan_logits_fail_one_request_while_a_concurrent_one_is_served(tiny_path)
 
     def forward(input_ids, positions, cache, slots, **kwargs):  # NaN in the rows of the request with the poisoned prompt
         logits = real_forward(input_ids, positions, cache, slots, **kwargs)
+        if logits is None:  # a prefill chunk (logits=False): the other request joined after the poisoned one's 3rd token
+            return logits
         for request in list(scheduler.running):
             if request.prompt_ids.tolist() == poisoned_ids and len(request.tokens) >= 3:
                 logits[(slots == request.slot).nonzero().flatten()] = float("nan")

@@ -158,6 +158,48 @@ def test_acceptance_estimate_tracks_hits_and_misses_and_goes_stale(tiny_target):
     assert step["draft_tokens"] == 80 and step["accepted"] == 20 and step["accepted_per_position"] == [5, 5, 5, 5]
 
 
+def test_request_estimates_are_shrunk_towards_the_traffic_by_the_prior_weight(tiny_target):
+    """The policy is given each request's profile blended with request_prior_weight pseudo-tests of the traffic's
+    (acceptance.REQUEST_PRIOR_WEIGHT by default, the weight that scored best in run 41): with 8, a request's
+    estimate lies nearer the traffic's than with 1. Negative control: the profiles a weight-1 scheduler hands the
+    policy are not the weight-8 blend of the same counts."""
+    import numpy as np
+
+    from specgate.serving.acceptance import FLAT_PRIOR, REQUEST_PRIOR_WEIGHT
+
+    assert REQUEST_PRIOR_WEIGHT == 8.0
+    gaps = {}
+    for weight in (None, 1.0):
+        holder = {}
+        seen = {"match": 0, "other_weight_match": 0, "gap": []}
+
+        class Recording(FixedPolicy):
+            def choose(self, acceptance, caps=None):
+                scheduler = holder["scheduler"]
+                prior = scheduler.traffic_acceptance.profile(FLAT_PRIOR)
+                other = 1.0 if weight is None else REQUEST_PRIOR_WEIGHT
+                for request, given in zip(scheduler.running, acceptance):
+                    if not request.acceptance_stats.observed:
+                        continue
+                    seen["match"] += np.allclose(given, request.acceptance_stats.profile(prior, scheduler.request_prior_weight))
+                    seen["other_weight_match"] += np.allclose(given, request.acceptance_stats.profile(prior, other))
+                    seen["gap"].append(abs(float(given[0]) - float(prior[0])))
+                return super().choose(acceptance, caps)
+
+        kwargs = {} if weight is None else {"request_prior_weight": weight}
+        scheduler = holder["scheduler"] = Scheduler(tiny_target, draft="ngram", policy=Recording(3), num_slots=3, max_seq_len=96, **kwargs)
+        assert scheduler.request_prior_weight == (REQUEST_PRIOR_WEIGHT if weight is None else weight)
+        for prompt in make_prompts(3):
+            scheduler.submit(Request(prompt, GREEDY, max_tokens=40, ignore_eos=True))
+        scheduler.run_until_idle()
+        assert seen["match"] > 20 and seen["other_weight_match"] == 0
+        gaps[weight] = float(np.mean(seen["gap"]))
+    assert gaps[None] < gaps[1.0]  # shrunk towards the traffic
+    for bad in (0, -1.0, True, "8"):
+        with pytest.raises(ValueError, match="request_prior_weight=.*must be a number > 0"):
+            Scheduler(tiny_target, draft="ngram", policy=FixedPolicy(3), num_slots=1, max_seq_len=32, request_prior_weight=bad)
+
+
 def test_lossy_mode_is_labelled_in_the_metrics(tiny_target):
     from specgate.sampling import SyntheticAcceptanceLossy
 
@@ -181,7 +223,7 @@ def test_ngram_proposals_keep_the_estimate_learning_with_speculation_off(tiny_ta
     """Policy off, n-gram drafter: each step's lookup proposal (one token: the policy's max gamma is 0) is scored
     against the token the request actually produced."""
     from specgate.serving import OffPolicy
-    from specgate.serving.acceptance import FLAT_PRIOR, PRIOR_WEIGHT, REQUEST_DECAY, TRAFFIC_DECAY
+    from specgate.serving.acceptance import FLAT_PRIOR, PRIOR_WEIGHT, REQUEST_DECAY, REQUEST_PRIOR_WEIGHT, TRAFFIC_DECAY
 
     prompt = torch.cat([torch.tensor([1]), torch.tensor([40, 41, 42, 43]).repeat(4)])
     scheduler = Scheduler(tiny_target, draft="ngram", policy=OffPolicy(), num_slots=1, max_seq_len=64)
@@ -197,7 +239,7 @@ def test_ngram_proposals_keep_the_estimate_learning_with_speculation_off(tiny_ta
             traffic_accepted, traffic_tested = TRAFFIC_DECAY * traffic_accepted + hit, TRAFFIC_DECAY * traffic_tested + 1.0
     assert tested > 0
     traffic_rate = (traffic_accepted + PRIOR_WEIGHT * FLAT_PRIOR) / (traffic_tested + PRIOR_WEIGHT)
-    assert request.acceptance == pytest.approx((accepted + PRIOR_WEIGHT * traffic_rate) / (tested + PRIOR_WEIGHT))
+    assert request.acceptance == pytest.approx((accepted + REQUEST_PRIOR_WEIGHT * traffic_rate) / (tested + REQUEST_PRIOR_WEIGHT))
 
 
 def test_chunked_prefill_bounds_each_step_and_keeps_the_others_decoding(tiny_target):

@@ -65,7 +65,7 @@ from specgate.engine.generate import OutputText, eos_token_ids
 from specgate.models import native
 from specgate.models.transformer import LogitsBuffer
 from specgate.sampling import SamplingParams, greedy_verify, logits_to_probs, rejection_sample, verify
-from specgate.serving.acceptance import FLAT_PRIOR, MAX_POSITIONS, TRAFFIC_DECAY, AcceptanceStats
+from specgate.serving.acceptance import FLAT_PRIOR, MAX_POSITIONS, REQUEST_PRIOR_WEIGHT, TRAFFIC_DECAY, AcceptanceStats
 from specgate.serving.policy import SpeculationPolicy
 
 # Acceptance estimates (specgate.serving.acceptance): per request and per draft position, blended with the
@@ -76,6 +76,8 @@ from specgate.serving.policy import SpeculationPolicy
 # (exact for greedy; for sampling, with q one-hot, P(output = draft) = p(draft) = P(accept), so the indicator is
 # unbiased). Without this, positions beyond the chosen gamma are never tested, their estimate stays at the prior,
 # and the policy never tries longer drafts (measured at concurrency 2: stuck at gamma 2 on copy-span prompts).
+# A request's estimate counts request_prior_weight pseudo-tests of the traffic's profile: with one, its handful of
+# own tests spread the estimates far wider than the rows' acceptance (run 41, docs/BENCHMARKS.md).
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 
 
@@ -256,7 +258,9 @@ class Scheduler:
     every lookup proposal (scored against the output for the acceptance estimates, whatever the policy drafts of
     it); None: the policy's max gamma (>= 1). A benchmark that swaps policies on one scheduler sets it to the
     adaptive policy's gamma_max, so that a narrower policy's steps do not leave the deep positions' estimates
-    without evidence for the adaptive one (bench/bench_slices.py).
+    without evidence for the adaptive one (bench/bench_slices.py). request_prior_weight: pseudo-tests of the
+    traffic's profile in each request's estimate (acceptance.REQUEST_PRIOR_WEIGHT: a request's few own tests are
+    shrunk towards the traffic's, the weight that scored the next drafts best in run 41).
     """
 
     def __init__(
@@ -272,6 +276,7 @@ class Scheduler:
         lossy: Any = None,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         lookup_tokens: int | None = None,
+        request_prior_weight: float = REQUEST_PRIOR_WEIGHT,
     ) -> None:
         from specgate.serving.policy import OffPolicy
 
@@ -283,6 +288,8 @@ class Scheduler:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1 (prompt tokens prefilled per step)")
         if lookup_tokens is not None and (isinstance(lookup_tokens, bool) or not isinstance(lookup_tokens, int) or not 1 <= lookup_tokens <= MAX_POSITIONS):
             raise ValueError(f"lookup_tokens={lookup_tokens!r} must be None (the policy's max gamma) or an integer in 1..{MAX_POSITIONS} (n-gram proposal length)")
+        if isinstance(request_prior_weight, bool) or not isinstance(request_prior_weight, (int, float)) or not request_prior_weight > 0:
+            raise ValueError(f"request_prior_weight={request_prior_weight!r} must be a number > 0 (pseudo-tests of the traffic's acceptance in a request's estimate)")
         limit = int(target.model.max_position_embeddings)
         if not 2 <= max_seq_len <= limit:
             raise ValueError(f"max_seq_len={max_seq_len} is out of range 2..{limit} (the target's context): lower --max-seq-len")
@@ -291,6 +298,7 @@ class Scheduler:
         self.num_slots, self.max_seq_len, self.max_waiting = num_slots, max_seq_len, max_waiting
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.lookup_tokens = lookup_tokens
+        self.request_prior_weight = float(request_prior_weight)
         self._logits = LogitsBuffer(target.model.vocab_size)  # the step's target logits, one block kept across steps
         self.metrics = metrics
         if lossy is not None and not callable(getattr(lossy, "verify", None)):
@@ -560,7 +568,7 @@ class Scheduler:
         lookups = self._lookups(running, states, budgets)
         caps = budgets if lookups is None else [min(len(tokens), b) for tokens, b in zip(lookups, budgets)]
         prior = self.traffic_acceptance.profile(FLAT_PRIOR)  # [K]
-        gammas = self.policy.choose([r.acceptance_stats.profile(prior) for r in running], caps)
+        gammas = self.policy.choose([r.acceptance_stats.profile(prior, self.request_prior_weight) for r in running], caps)
         gammas = [max(0, min(int(g), cap)) for g, cap in zip(gammas, caps)]
         # 3. drafts; every lookup proposal is kept to be scored against the output (see the module comment)
         draft_start = time.perf_counter()
@@ -700,7 +708,7 @@ class Scheduler:
             if not (matched < len(known) or len(known) == len(proposal) or final):
                 pending.append((start, proposal, decided))
         state["proposals"] = pending
-        request.acceptance = request.acceptance_stats.first_rate(self.traffic_acceptance.first_rate(FLAT_PRIOR))
+        request.acceptance = request.acceptance_stats.first_rate(self.traffic_acceptance.first_rate(FLAT_PRIOR), self.request_prior_weight)
 
     def _record(self, request: Request, gamma: int, drafted: int, accepted: int, step_stats: dict) -> None:
         stats = request.stats
@@ -709,7 +717,7 @@ class Scheduler:
         if drafted == 0:
             if request.acceptance_stats.observed and self.draft_kind != "ngram":  # n-gram rows: _score_proposals
                 request.acceptance_stats.age()
-                request.acceptance = request.acceptance_stats.first_rate(self.traffic_acceptance.first_rate(FLAT_PRIOR))
+                request.acceptance = request.acceptance_stats.first_rate(self.traffic_acceptance.first_rate(FLAT_PRIOR), self.request_prior_weight)
             return
         stats.num_drafts += 1
         stats.drafted_tokens += drafted
@@ -725,7 +733,7 @@ class Scheduler:
         if self.draft_kind != "ngram":  # n-gram rows learn from their whole proposal in _score_proposals
             request.acceptance_stats.observe(drafted, accepted)
             self.traffic_acceptance.observe(drafted, accepted)
-            request.acceptance = request.acceptance_stats.first_rate(self.traffic_acceptance.first_rate(FLAT_PRIOR))
+            request.acceptance = request.acceptance_stats.first_rate(self.traffic_acceptance.first_rate(FLAT_PRIOR), self.request_prior_weight)
 
     def _commit(self, request: Request, state: dict, emitted: list[int], now: float) -> None:
         finish = None
