@@ -433,6 +433,8 @@ def main() -> None:
     prompts = [torch.tensor(target.tokenizer(p)["input_ids"]) for p in texts]
     max_seq_len = max(int(p.numel()) for p in prompts) + args.max_tokens + 1
     lanes = args.lanes.split(",")
+    if args.http and any(lane_prior_weight(lane) is not None for lane in lanes):
+        raise SystemExit(f"--lanes {args.lanes}: a :prior=W lane runs in process only (the server takes the scheduler's default weight); drop --http")
     cost_model = None
     if any(lane.startswith("adaptive") for lane in lanes):
         with console.status("calibrating the adaptive policy's cost model"):
@@ -450,7 +452,7 @@ def main() -> None:
                 for lane in lane_order(lanes, repeat + index, args.order):
                     name, label, gamma = lane_label(lane, args.gamma, gamma_max)
                     if args.http:
-                        policy = make_policy(name, gamma=gamma, cost_model=cost_model)
+                        policy = make_policy(name, gamma=gamma, cost_model=copy.deepcopy(cost_model))
                         row = http_lane(target, draft, policy, concurrency, max_seq_len, texts, per_client, args.max_tokens)
                     else:
                         scheduler = schedulers.get((label, concurrency))

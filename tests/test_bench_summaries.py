@@ -302,6 +302,9 @@ def test_serving_adaptive_variant_lane_gets_its_weight_and_each_scheduler_its_ow
     assert set(record["cost_models"]) == {"adaptive C=1", "adaptive C=2", "adaptive prior=2 C=1", "adaptive prior=2 C=2"}
     assert all(m["observations"] > 0 for m in record["cost_models"].values()) and record["cost_model"]["observations"] == 0
     assert {row["lane"] for row in record["rows"]} == {"fixed g=2", "adaptive", "adaptive prior=2"}
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--target", str(tiny_model_dir("llama")), "--http", "--lanes", "adaptive:prior=2"])
+    with pytest.raises(SystemExit, match="runs in process only"):
+        serving.main()
 
 
 def test_diag_shapes_times_each_case_after_its_predecessor(tiny_model_dir, monkeypatch, capsys):
