@@ -105,6 +105,12 @@ def position_tests(steps: list[dict], key=lambda row: row["profile"]) -> tuple[d
     return estimated, realized
 
 
+def quantile_cells(estimated: np.ndarray, realized: np.ndarray) -> list[str]:
+    """'mean estimated / accepted rate' of the rows split at the 10/25/50/75% quantiles of their estimate (5 cells)."""
+    bins = np.searchsorted(np.quantile(estimated, [0.1, 0.25, 0.5, 0.75]), estimated, side="right")  # 0..4
+    return [f"{estimated[bins == b].mean():.3f} / {realized[bins == b].mean():.3f}" if (bins == b).any() else "-" for b in range(5)]
+
+
 def shrinkage_lines(steps: list[dict], weights: list[float]) -> list[str]:
     """The request estimates re-blended with other prior weights (the same counts and traffic prior at each step):
     the Brier score and log loss of every tested position, and the calibration of position 1 by quantile. The
@@ -119,9 +125,7 @@ def shrinkage_lines(steps: list[dict], weights: list[float]) -> list[str]:
         clipped = np.clip(e, 1e-6, 1 - 1e-6)
         brier = float(np.mean((e - y) ** 2))
         log_loss = float(-np.mean(y * np.log(clipped) + (1 - y) * np.log(1 - clipped)))
-        e1, y1 = np.array(estimated[1]), np.array(realized[1])
-        bins = np.searchsorted(np.quantile(e1, [0.1, 0.25, 0.5, 0.75]), e1, side="right")
-        cells = [f"{e1[bins == b].mean():.3f} / {y1[bins == b].mean():.3f}" if (bins == b).any() else "-" for b in range(5)]
+        cells = quantile_cells(np.array(estimated[1]), np.array(realized[1]))
         lines.append(f"| {weight:g} | {e.size} | {brier:.4f} | {log_loss:.4f} | " + " | ".join(cells) + " |")
     return lines
 
@@ -137,10 +141,7 @@ def report(record: dict, concurrency: int) -> list[str]:
         e, y = np.array(estimated[k]), np.array(realized[k])
         if not e.size:
             continue
-        cuts = np.quantile(e, [0.1, 0.25, 0.5, 0.75])
-        bins = np.searchsorted(cuts, e, side="right")  # 0..4
-        cells = [f"{e[bins == b].mean():.3f} / {y[bins == b].mean():.3f}" if (bins == b).any() else "-" for b in range(5)]
-        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+        lines.append(f"| {k} | " + " | ".join(quantile_cells(e, y)) + " |")
     lines += ["", "| chosen width | steps | " + " | ".join(f"W={w}" for w in range(1, 9)) + " |", "|---" * 10 + "|"]
     by_width: dict[int, list] = defaultdict(list)
     for step in steps:
