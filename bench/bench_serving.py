@@ -61,6 +61,7 @@ from rich.table import Table
 from specgate.models import load_model
 from specgate.sampling import SamplingParams
 from specgate.serving import Request, Scheduler, calibrate_cost_model, make_policy
+from specgate.serving.policy import AdaptivePolicy
 
 PROMPTS = {
     "repetitive": [
@@ -88,29 +89,60 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def parse_lane(lane: str, gamma: int) -> tuple[str, int]:
-    """'off' / 'adaptive' / 'fixed' / 'fixed=G', each with an optional ':prior=W' and '#tag' -> (policy name, gamma)."""
+    """'off' / 'adaptive' / 'fixed' / 'fixed=G', each with optional ':key=value' options and a '#tag' -> (policy
+    name, gamma)."""
     name, _, value = lane.partition("#")[0].partition(":")[0].partition("=")
     if name not in ("off", "fixed", "adaptive"):
-        raise ValueError(f"lane {lane!r}: the policy must be off, fixed, fixed=G or adaptive (with an optional :prior=W and #tag)")
-    lane_prior_weight(lane)
+        raise ValueError(f"lane {lane!r}: the policy must be off, fixed, fixed=G or adaptive (with optional :key=value options and a #tag)")
+    lane_options(lane)
     return name, int(value) if value else gamma
 
 
+# an adaptive lane's options: name -> (AdaptivePolicy keyword or None for the scheduler's prior weight, type, check, what it is)
+LANE_OPTIONS = {
+    "prior": (None, float, lambda v: v > 0, "W > 0: pseudo-tests of the traffic's acceptance in a request's estimate"),
+    "margin": ("margin", float, lambda v: 0 <= v < 0.5, "0 <= M < 0.5: the hysteresis"),
+    "probe": ("probe_every", int, lambda v: v >= 0, "N >= 0: decisions between probes (0 = never)"),
+    "objective": ("objective", str, lambda v: v in ("goodput", "throughput"), "goodput or throughput"),
+}
+
+
+def lane_options(lane: str) -> dict[str, float | int | str]:
+    """'adaptive:prior=1:margin=0' -> {'prior': 1.0, 'margin': 0.0}: an adaptive variant, in the order given.
+    prior: the lane's schedulers weigh the traffic's acceptance profile by W pseudo-tests in each request's
+    estimate (Scheduler request_prior_weight); margin, probe, objective: AdaptivePolicy's margin, probe_every and
+    objective. An A/B on the machine: --lanes fixed=4,adaptive,adaptive:prior=1."""
+    text = lane.partition("#")[0].partition(":")[2]
+    options: dict[str, float | int | str] = {}
+    for option in text.split(":") if text else []:
+        key, _, raw = option.partition("=")
+        if key not in LANE_OPTIONS:
+            raise ValueError(f"lane {lane!r}: the option {key!r} is unknown: use {', '.join(f'{k}=' for k in LANE_OPTIONS)} (adaptive lanes only)")
+        _, kind, check, meaning = LANE_OPTIONS[key]
+        try:
+            value = kind(raw)
+        except ValueError:
+            value = None
+        if value is None or not check(value):
+            raise ValueError(f"lane {lane!r}: the option must be :{key}=" + meaning)
+        options[key] = value
+    if options and not lane.startswith("adaptive"):
+        raise ValueError(f"lane {lane!r}: options are for adaptive lanes only")
+    return options
+
+
 def lane_prior_weight(lane: str) -> float | None:
-    """'adaptive:prior=1' -> 1.0: the lane's schedulers weigh the traffic's acceptance profile by 1 pseudo-test in
-    each request's estimate (Scheduler request_prior_weight; default None: the scheduler's default). An A/B of the
-    shrinkage on the machine: --lanes fixed=4,adaptive,adaptive:prior=1."""
-    option = lane.partition("#")[0].partition(":")[2]
-    if not option:
-        return None
-    key, _, value = option.partition("=")
-    try:
-        weight = float(value)
-    except ValueError:
-        weight = -1.0
-    if key != "prior" or not weight > 0:
-        raise ValueError(f"lane {lane!r}: the option must be :prior=W with W > 0 (pseudo-tests of the traffic's acceptance)")
-    return weight
+    """'adaptive:prior=1' -> 1.0 (lane_options' prior; None: the scheduler's default)."""
+    return lane_options(lane).get("prior")
+
+
+def lane_policy(lane: str, gamma: int, cost_model):
+    """The lane's policy: make_policy by name, or the adaptive policy with the lane's options (on this cost model)."""
+    name = parse_lane(lane, gamma)[0]
+    keywords = {LANE_OPTIONS[k][0]: v for k, v in lane_options(lane).items() if LANE_OPTIONS[k][0] is not None}
+    if keywords:
+        return AdaptivePolicy(cost_model, gamma_max=gamma, **keywords)
+    return make_policy(name, gamma=gamma, cost_model=cost_model)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -391,9 +423,9 @@ def lane_label(lane: str, gamma: int, gamma_max: int) -> tuple[str, str, int]:
     'fixed g=4 #b': the order A/B runs one policy twice, after different lanes (bench/bench_serving.py --lanes
     fixed=8,fixed=4,fixed=2,fixed=4#b)."""
     name, gamma = parse_lane(lane, gamma_max if lane.startswith("adaptive") else gamma)
-    tag, weight = lane.partition("#")[2], lane_prior_weight(lane)
+    tag = lane.partition("#")[2]
     label = f"fixed g={gamma}" if name == "fixed" else name
-    label += f" prior={weight:g}" if weight is not None else ""
+    label += "".join(f" {key}={value:g}" if isinstance(value, float) else f" {key}={value}" for key, value in lane_options(lane).items())
     return name, f"{label} #{tag}" if tag else label, gamma
 
 
@@ -452,13 +484,13 @@ def main() -> None:
                 for lane in lane_order(lanes, repeat + index, args.order):
                     name, label, gamma = lane_label(lane, args.gamma, gamma_max)
                     if args.http:
-                        policy = make_policy(name, gamma=gamma, cost_model=copy.deepcopy(cost_model))
+                        policy = lane_policy(lane, gamma, copy.deepcopy(cost_model))
                         row = http_lane(target, draft, policy, concurrency, max_seq_len, texts, per_client, args.max_tokens)
                     else:
                         scheduler = schedulers.get((label, concurrency))
                         if scheduler is None:
                             # each scheduler learns its own copy of the calibration, as a server of its own would
-                            policy = make_policy(name, gamma=gamma, cost_model=copy.deepcopy(cost_model))
+                            policy = lane_policy(lane, gamma, copy.deepcopy(cost_model))
                             weight = lane_prior_weight(lane)
                             scheduler = schedulers[(label, concurrency)] = Scheduler(
                                 target, draft, policy, num_slots=concurrency, max_seq_len=max_seq_len, max_waiting=concurrency,

@@ -65,10 +65,12 @@ from specgate.serving.policy import AdaptivePolicy, CostModel, SpeculationPolicy
 class ClosedLoop:
     """C clients with no think time: each finished request is replaced at once by the client's next one."""
 
-    def __init__(self, scheduler: Scheduler, prompts: list[torch.Tensor], concurrency: int, max_tokens: int, spread: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, scheduler: Scheduler, prompts: list[torch.Tensor], concurrency: int, max_tokens: int, spread: float = 0.0, seed: int = 0,
+                 sequenced: bool = False) -> None:
         if not 0.0 <= spread < 1.0:
             raise ValueError(f"spread={spread} is out of range [0, 1): max_tokens varies uniformly in max_tokens * (1 +- spread)")
         self.scheduler, self.prompts, self.max_tokens, self.spread = scheduler, prompts, max_tokens, spread
+        self.sequenced = sequenced  # the k-th request sent gets prompt k (mod the prompts) whichever client sends it
         self.rng = random.Random(seed)
         self.sent = 0
         self.finished = 0
@@ -77,7 +79,7 @@ class ClosedLoop:
             self.submit(client)
 
     def submit(self, client: int) -> None:
-        index = (client + self.sent) % len(self.prompts)
+        index = (self.sent if self.sequenced else client + self.sent) % len(self.prompts)
         prompt = self.prompts[index]
         low, high = round(self.max_tokens * (1 - self.spread)), round(self.max_tokens * (1 + self.spread))
         length = max(1, self.rng.randint(low, high))  # varied lengths: clients do not finish (and prefill) in waves
@@ -390,9 +392,11 @@ def main() -> None:
         console.print(row)
 
 
-def plot(record: dict, out: Path) -> None:
+def plot(record: dict, out: Path, titles: tuple[str, str] = (
+    "throughput (tokens/s), pooled over interleaved slices", "adaptive / best other lane (95% bootstrap CI over rounds)",
+)) -> None:
     """Left: pooled throughput per lane against concurrency. Right: adaptive / the best other lane per
-    concurrency, with its 95% bootstrap interval and the 0.95 goal line."""
+    concurrency, with its 95% bootstrap interval and the 0.95 goal line. titles: (left, right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -404,7 +408,7 @@ def plot(record: dict, out: Path) -> None:
     for lane in points[0]["summary"]["lanes"]:
         ys = [p["summary"]["lanes"][lane]["throughput_tok_s"] for p in points]
         left.plot(xs, ys, marker="o", label=lane, linewidth=2.5 if lane == "adaptive" else 1.2)
-    left.set_title("throughput (tokens/s), pooled over interleaved slices")
+    left.set_title(titles[0])
     judged = [p for p in points if "ratio" in p["summary"]]
     if judged:
         ratio = np.array([p["summary"]["ratio"] for p in judged])
@@ -415,7 +419,7 @@ def plot(record: dict, out: Path) -> None:
         right.axhline(0.95, color="red", linestyle="--", label="goal 0.95")
         right.axhline(1.0, color="gray", linewidth=0.8)
         right.legend()
-    right.set_title("adaptive / best other lane (95% bootstrap CI over rounds)")
+    right.set_title(titles[1])
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (closed loop)")
@@ -485,11 +489,13 @@ def ms(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def table(record: dict) -> list[str]:
-    """Markdown: one row per (C, lane), then the verdict per C."""
+def table(record: dict, verdict=None, ttft: bool = False) -> list[str]:
+    """Markdown: one row per (C, lane), then the verdict per C (verdict(concurrency, summary) -> text, default
+    line; bench_lockstep.py passes its own, and ttft=True for its TTFT column)."""
+    verdict = verdict or line
     rows = [
-        "| C | lane | tok/s | x off | ITL per chunk p50 / p95 ms | ITL per token p50 / p95 / mean ms | mean width | steps |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| C | lane | tok/s | x off |{' TTFT p50 / p95 ms |' if ttft else ''} ITL per chunk p50 / p95 ms | ITL per token p50 / p95 / mean ms | mean width | steps |",
+        "|---|---|---|---|" + ("---|" if ttft else "") + "---|---|---|---|",
     ]
     verdicts = []
     for point in record["points"]:
@@ -497,13 +503,14 @@ def table(record: dict) -> list[str]:
         off = lanes.get("off", {}).get("throughput_tok_s")
         for lane, v in lanes.items():
             x_off = f"{v['throughput_tok_s'] / off:.2f}" if off else "-"
+            first = f" {ms(v.get('ttft_p50_ms'))} / {ms(v.get('ttft_p95_ms'))} |" if ttft else ""
             rows.append(
-                f"| {point['concurrency']} | {lane} | {v['throughput_tok_s']:.1f} | {x_off} | {ms(v['itl_p50_ms'])} / "
+                f"| {point['concurrency']} | {lane} | {v['throughput_tok_s']:.1f} | {x_off} |{first} {ms(v['itl_p50_ms'])} / "
                 f"{ms(v['itl_p95_ms'])} | {ms(v.get('itl_token_p50_ms'), 1)} / {ms(v.get('itl_token_p95_ms'), 1)} / "
-                f"{ms(v.get('itl_token_mean_ms'), 1)} | {v['mean_width']:.2f} | {v['steps']} |"
+                f"{ms(v.get('itl_token_mean_ms'), 1)} | {ms(v['mean_width'], 2)} | {v['steps']} |"
             )
-        if "ratio" in point["summary"]:
-            verdicts.append("- " + line(point["concurrency"], point["summary"]))
+        if "ratio" in point["summary"] or verdict is not line:
+            verdicts.append("- " + verdict(point["concurrency"], point["summary"]))
     return rows + [""] + verdicts
 
 

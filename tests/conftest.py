@@ -180,3 +180,21 @@ def read_json_object(proc) -> dict:
             return json.loads(text)
         except json.JSONDecodeError:
             continue
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench(name: str):
+    """A bench/ script as a module (bench/ on sys.path while it loads: the scripts import each other)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))

@@ -10,7 +10,6 @@ control just below the line, and its closed loop and slices on a real scheduler 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import sys
@@ -18,19 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_bench
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def load(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+load = load_bench
 
 
 def serving_row(lane: str, concurrency: int, repeat: int, tok_s: float) -> dict:
@@ -209,9 +198,25 @@ def test_serving_lane_tags_make_a_second_scheduler_of_one_setting():
     assert serving.lane_label("adaptive:prior=1", 2, 8) == ("adaptive", "adaptive prior=1", 8)
     assert serving.lane_label("adaptive:prior=1#b", 2, 8) == ("adaptive", "adaptive prior=1 #b", 8)
     assert serving.lane_prior_weight("adaptive:prior=2.5") == 2.5 and serving.lane_prior_weight("adaptive") is None
-    for bad in ("adaptive:prior=0", "adaptive:prior=x", "adaptive:weight=1"):
-        with pytest.raises(ValueError, match="the option must be :prior=W with W > 0"):
+    for bad in ("adaptive:prior=0", "adaptive:prior=x"):
+        with pytest.raises(ValueError, match="the option must be :prior=W > 0"):
             serving.lane_label(bad, 2, 8)
+    with pytest.raises(ValueError, match="the option 'weight' is unknown: use prior=, margin=, probe=, objective="):
+        serving.lane_label("adaptive:weight=1", 2, 8)
+    with pytest.raises(ValueError, match="options are for adaptive lanes only"):
+        serving.lane_label("fixed=4:margin=0", 2, 8)
+    # several options, in the order given; the policy gets them, the scheduler's weight stays apart
+    assert serving.lane_label("adaptive:prior=16:margin=0:probe=0", 2, 8)[1] == "adaptive prior=16 margin=0 probe=0"
+    with pytest.raises(ValueError, match=":margin=0 <= M < 0.5"):
+        serving.lane_label("adaptive:margin=0.7", 2, 8)
+    from specgate.serving.policy import AdaptivePolicy, CostModel
+
+    cost = CostModel(target_ms={(1, 1): 10.0, (1, 2): 12.0})
+    policy = serving.lane_policy("adaptive:prior=16:margin=0:probe=0:objective=throughput", 8, cost)
+    assert isinstance(policy, AdaptivePolicy) and (policy.margin, policy.probe_every, policy.objective, policy.gamma_max) == (0.0, 0, "throughput", 8)
+    plain = serving.lane_policy("adaptive:prior=16", 8, cost)  # the weight is the scheduler's: the policy is the default one
+    assert (plain.margin, plain.probe_every, plain.objective) == (AdaptivePolicy(cost).margin, AdaptivePolicy(cost).probe_every, "goodput")
+    assert serving.lane_policy("fixed=4", 4, None).gamma == 4
 
 
 def test_serving_table_judges_an_adaptive_variant(tmp_path, capsys):
