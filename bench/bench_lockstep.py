@@ -119,7 +119,13 @@ class Lane:
                 self.last_emit_s[request_id] = self.clock_s
 
     def done(self, request_id: str) -> bool:
-        """The request committed all its tokens (EOS is ignored: it runs to its max_tokens)."""
+        """The request committed all its tokens (EOS is ignored: it runs to its max_tokens). One that ended
+        otherwise (an error, a timeout) raises: the lanes would no longer measure the same work, and the run would
+        wait for it forever."""
+        request = getattr(self.loop, "requests", {}).get(request_id)
+        if request is not None and request.finish_reason not in (None, "length"):
+            raise RuntimeError(f"lane {self.label!r}: request {request_id} ended {request.finish_reason!r} ({request.error}) before its "
+                               f"max_tokens; every lane must serve the same requests to the end: fix the cause and run again")
         return self.tokens.get(request_id, 0) >= self.loop.issued[request_id][1]
 
     def done_up_to(self, count: int) -> int:

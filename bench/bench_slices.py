@@ -75,6 +75,7 @@ class ClosedLoop:
         self.sent = 0
         self.finished = 0
         self.issued: dict[str, list[int]] = {}  # request_id -> [prompt index, max_tokens] (the traces name rows by id)
+        self.requests: dict[str, Request] = {}  # request_id -> the request (its finish_reason once done)
         for client in range(concurrency):
             self.submit(client)
 
@@ -88,6 +89,7 @@ class ClosedLoop:
         self.sent += 1
         self.scheduler.submit(request)
         self.issued[request.request_id] = [index, length]
+        self.requests[request.request_id] = request
 
     def done(self, client: int) -> None:  # called on this thread, inside scheduler.step()
         self.finished += 1

@@ -76,6 +76,9 @@ def test_a_lane_times_its_requests_on_its_own_clock(monkeypatch):
     assert len(piece["itl_chunks"]) == 6 and piece["ttft_ms"] == pytest.approx([50.0, 50.0]) and piece["widths"] == [2] * 8
     assert lane.piece(1, 2, 3)["tokens"] == 0  # r9 never ran
     assert lane.shapes == {"2x2": [[50.0, None, 6]] * 4}  # per decode step: ms on the lane's clock, no prediction, tokens
+    loop.requests = {"r9": type("Ended", (), {"finish_reason": "error", "error": "NaN logits"})()}
+    with pytest.raises(RuntimeError, match="request r9 ended 'error' \\(NaN logits\\) before its max_tokens"):
+        lane.done_up_to(3)  # not a wait forever for a request that will never commit its tokens
 
 
 def test_sequenced_clients_send_the_kth_prompt_whichever_client_sends_it(tiny_model_dir):
