@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import PROMPTS, lane_label, lane_order, lane_policy, lane_prior_weight, resolve_dtype  # noqa: E402
 from bench_slices import ClosedLoop, held_out_text, plot, summarize  # noqa: E402
 from bench_slices import table as slices_table  # noqa: E402
+from serving_table import base_lane  # noqa: E402
 
 from specgate.models import load_model  # noqa: E402
 from specgate.serving import Scheduler, calibrate_cost_model  # noqa: E402
@@ -191,7 +192,8 @@ def run_lockstep(lanes: list[Lane], requests: int, blocks: int, warmup_requests:
 
 
 def is_twin(label: str) -> bool:
-    return " #" in label
+    """A tagged lane ('fixed g=4 #b'): a second server of its setting (serving_table.base_lane)."""
+    return base_lane(label) != label
 
 
 def judge(pieces: list[dict], labels: list[str], blocks: int) -> dict:
@@ -208,7 +210,7 @@ def judge(pieces: list[dict], labels: list[str], blocks: int) -> dict:
         summary["itl_vs_best"] = itl_ratios(pieces, "adaptive", summary["best_other"], rounds)
     summary["twins"] = {}
     for twin in [label for label in labels if is_twin(label)]:
-        base = twin.split(" #")[0]
+        base = base_lane(twin)
         if base not in judged:
             continue
         pair = [{**p, "lane": "adaptive"} if p["lane"] == twin else p for p in pieces if p["lane"] in (twin, base)]
