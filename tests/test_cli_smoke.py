@@ -34,8 +34,16 @@ def test_every_command_offers_json():
 
     from specgate.cli.main import app
 
-    group = typer.main.get_command(app)
-    for name, command in group.commands.items():
+    def leaves(group, prefix):
+        for name, command in group.commands.items():
+            if hasattr(command, "commands"):  # a command family (`specgate engines ...`): each of its commands
+                yield from leaves(command, f"{prefix}{name} ")
+            else:
+                yield f"{prefix}{name}", command
+
+    found = dict(leaves(typer.main.get_command(app), ""))
+    assert {"gate", "engines install", "engines path", "engines list"} <= set(found)
+    for name, command in found.items():
         options = {opt for param in command.params for opt in getattr(param, "opts", [])}
         assert "--json" in options, f"specgate {name} has no --json option"
 

@@ -7,7 +7,6 @@ import copy
 import numpy as np
 import pytest
 
-from specgate import theory
 from specgate.gate import client, decision, quality
 from specgate.gate.workload import MathItem
 
@@ -43,7 +42,7 @@ def test_a_good_run_is_go_with_every_criterion_reported():
     assert set(by_name) == set(decision.CRITERIA)
     assert verdict == "GO", [c.reason for c in by_name.values() if not c.passed]
     for c in by_name.values():
-        assert set(c.to_dict()) == {"name", "value", "threshold", "pass", "reason"}
+        assert set(c.to_dict()) == {"name", "value", "threshold", "pass", "reason", "binding"}
 
 
 def _break(name: str, run):
@@ -75,9 +74,38 @@ def _break(name: str, run):
 
 @pytest.mark.parametrize("name", decision.CRITERIA)
 def test_each_criterion_fails_alone(name):
+    """A binding criterion failing alone makes NO-GO; a target (TTFT, ITL, memory) fails alone and stays a
+    reported target, until the user makes it binding with --require."""
     verdict, by_name = verdict_of(*_break(name, copy.deepcopy(good_run())))
-    assert verdict == "NO-GO"
     assert [n for n, c in by_name.items() if not c.passed] == [name]
+    target = {v: k for k, v in decision.TARGETS.items()}.get(name)
+    assert verdict == ("GO" if target else "NO-GO")
+    assert by_name[name].binding is (target is None)
+    if target:
+        baseline, spec, q, t = _break(name, copy.deepcopy(good_run()))
+        t.require = (target,)
+        verdict, by_name = verdict_of(baseline, spec, q, t)
+        assert verdict == "NO-GO" and by_name[name].binding
+
+
+def test_require_names_only_targets():
+    with pytest.raises(ValueError, match="--require speed is not a target"):
+        decision.Thresholds(require=("speed",)).validate()
+
+
+def test_another_engine_is_lossless_only_when_exact_match_and_loglik_pass():
+    baseline, spec, q, t = good_run()
+    spec["engine"] = "llama.cpp"
+    verdict, by_name = verdict_of(baseline, spec, q, t)
+    assert verdict == "GO" and by_name["lossless"].value is True and "inferred" in by_name["lossless"].reason
+    q["greedy"].update(matches=7, rate=7 / 8, mismatches=[{"prompt_id": "x"}])
+    verdict, by_name = verdict_of(baseline, spec, q, t)
+    assert by_name["lossless"].value == "unknown" and not by_name["lossless"].passed and "greedy exact match" in by_name["lossless"].reason
+    q["greedy"].update(matches=8, rate=1.0, mismatches=[])
+    q["loglik"] = {"reason": "not scored"}  # no log-likelihood test: not proven, so unknown
+    assert verdict_of(baseline, spec, q, t)[1]["lossless"].value == "unknown"
+    spec["engine"] = "specgate"  # our verifier is proven exact by check-lossless: lossless without the inference
+    assert verdict_of(baseline, spec, q, t)[1]["lossless"].passed
 
 
 def test_preemptions_beyond_the_baseline_fail_memory_and_missing_levels_fail_loudly():
@@ -89,16 +117,28 @@ def test_preemptions_beyond_the_baseline_fail_memory_and_missing_levels_fail_lou
     assert not by_name["throughput_at_target_concurrency"].passed and "not measured" in by_name["throughput_at_target_concurrency"].reason
 
 
-def test_analysis_uses_theory_for_alpha_c_alpha_min_and_the_schedule():
+def _bisect(f, lo: float = 0.0, hi: float = 1.0 - 1e-12) -> float:
+    """The root of an increasing f on [lo, hi] (the test's own solver, independent of the code's brentq)."""
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _expected_tokens(a: float, g: int) -> float:
+    return sum(a**i for i in range(g + 1))  # 1 + a + ... + a^g = (1 - a^(g+1)) / (1 - a)
+
+
+def test_analysis_agrees_with_closed_forms_for_alpha_c_speedup_and_alpha_min():
     baseline, spec, _, _ = good_run()
     a = decision.analyse(baseline, spec, gamma_max=8)
     row = a["per_concurrency"][0]
-    assert theory.expected_tokens(row["alpha"], 4) == pytest.approx(2.5, rel=1e-9)
+    assert row["alpha"] == pytest.approx(_bisect(lambda x: _expected_tokens(x, 4) - 2.5), abs=1e-9)  # AL 2.5 = E[T]
     # steps: baseline 49.5 / 990 = 50 ms; speculation 23.4 / (1000 - 600 - 10) = 60 ms -> c = (1.2 - 1) / 4
     assert row["c"] == pytest.approx(0.05)
-    assert row["predicted_speedup"] == pytest.approx(theory.speedup(row["alpha"], 4, 0.05))
+    assert row["predicted_speedup"] == pytest.approx(2.5 / (4 * 0.05 + 1))  # S = E[T] / (g c + 1)
     assert row["measured_speedup"] == pytest.approx(2.0)
-    assert a["alpha_min"] == pytest.approx(theory.alpha_min(4, 0.05))
+    assert a["alpha_min"] == pytest.approx(_bisect(lambda x: _expected_tokens(x, 4) - (4 * 0.05 + 1)), abs=1e-6)  # S(alpha_min) = 1
     assert a["paying_range"] == [1, 4] and all(r["recommended_gamma"] >= 1 for r in a["per_concurrency"])
     s = decision.schedule_exports(a, "ngram", max_num_seqs=8)
     ranges = s["vllm_speculative_config"]["num_speculative_tokens_per_batch_size"]
@@ -108,6 +148,17 @@ def test_analysis_uses_theory_for_alpha_c_alpha_min_and_the_schedule():
     spec["sweep"][1]["output_tokens_per_s"] = 50.0  # stops paying at 4 -> gamma 0 there
     a = decision.analyse(baseline, spec)
     assert a["paying_range"] == [1, 1] and a["per_concurrency"][1]["recommended_gamma"] == 0
+
+
+def test_alpha_uses_the_engines_measured_draft_length():
+    """An engine whose drafts run longer than the configured gamma (llama.cpp's ngram-simple drafts its m-gram,
+    48 tokens by default, whatever --spec-draft-n-max says): alpha solves E[T](alpha, measured g) = AL."""
+    baseline, spec, _, _ = good_run()
+    for lv in spec["sweep"]:  # 5 drafts, 122 draft tokens, 34 accepted: g = 24.4 -> 24, AL = 1 + 34 / 5
+        lv["spec"].update(num_drafts=5, num_draft_tokens=122, num_accepted_tokens=34, acceptance_length=1 + 34 / 5, mean_draft_len=24.4)
+    row = decision.analyse(baseline, spec)["per_concurrency"][0]
+    assert row["gamma"] == 24
+    assert row["alpha"] == pytest.approx(_bisect(lambda x: _expected_tokens(x, 24) - (1 + 34 / 5)), abs=1e-9)
 
 
 def test_itl_is_apportioned_per_token_and_tpot_defined():
@@ -134,9 +185,18 @@ def test_math_pairing_bootstrap_and_loglik_test_flag_a_shift_and_only_a_shift():
     assert flagged.flagged and flagged.p_value < 0.01 and flagged.speculative_perplexity < flagged.baseline_perplexity
 
 
-def test_greedy_mismatches_are_listed_with_the_first_differing_character():
+def test_greedy_mismatches_are_listed_with_positions_and_both_continuations():
     g = quality.greedy_exact_match({"a": "hello world", "b": "same"}, {"a": "hello there", "b": "same"}, {"a": "prose"})
-    assert g["rate"] == 0.5 and g["mismatches"][0]["first_diff_char"] == 6 and g["mismatches"][0]["category"] == "prose"
+    m = g["mismatches"][0]
+    assert g["rate"] == 0.5 and m["first_diff_char"] == 6 and m["category"] == "prose"
+    assert (m["context"], m["baseline"], m["speculative"]) == ("hello ", "world", "there")
+
+    class Words:  # a word-level tokenizer: the first differing token is the second word
+        def encode(self, text, add_special_tokens=False):
+            return [hash(w) for w in text.split(" ")]
+
+    quality.add_token_positions(g, {"a": "hello world"}, {"a": "hello there"}, Words())
+    assert m["first_diff_token"] == 1
 
 
 def test_thresholds_reject_bad_values():

@@ -1,8 +1,10 @@
 """The whole gate against the real specgate server on loopback, with tiny models.
 
 - embedded mode (`specgate serve` subprocesses): a peaked tiny target, a tiny draft model, n-gram drafts
-  whose server is SIGKILLed mid-run, and a LOSSY twin of the draft configuration (synthetic acceptance 1.0,
-  which accepts every draft whatever p says) that the log-likelihood test must flag;
+  whose server is SIGKILLed mid-run, a LOSSY twin of the draft configuration (synthetic acceptance 1.0,
+  which accepts every draft whatever p says) that the log-likelihood test must flag, the adaptive policy on the
+  best fixed draft, and the recommendation measured as its own configuration;
+- the launch-template mechanism (`--server-cmd` / `--baseline-cmd`) with `specgate serve`;
 - external mode through the CLI (`--endpoint` / `--baseline-endpoint`) against in-process servers;
 - the HTML report in headless Chromium: it renders, shows the verdict, and every plot image decodes.
 """
@@ -14,13 +16,13 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-SMALL = dict(concurrency=[1, 2], per_category=3, requests_per_level=4, poisson_requests=4, qps=20.0, max_tokens=16,
+SMALL = dict(concurrency=[1, 2], per_category=3, requests_per_level=4, poisson_requests=4, qps=20.0, max_tokens=16, greedy_tokens=32,
              math_items=6, sample_prompts=12, max_num_seqs=4, max_seq_len=256)
 
 
@@ -48,9 +50,10 @@ def embedded_run(tiny_model_dir, tmp_path_factory):
     killed = {}
 
     def after_phase(config: str, phase: str, endpoint) -> None:
-        if config == "ngram" and phase == "c1:code":  # SIGKILL the server while the next phase is in flight
+        if config == "ngram" and phase == "c1:code":  # SIGKILL the server between two phases, and wait until it is gone
             killed["pid"] = endpoint.process.pid
-            threading.Timer(0.05, lambda: os.kill(endpoint.process.pid, signal.SIGKILL)).start()
+            os.kill(endpoint.process.pid, signal.SIGKILL)
+            endpoint.process.wait()
 
     report = run_gate(options, after_phase=after_phase)
     return report, options, killed, draft.name
@@ -60,18 +63,27 @@ def test_embedded_report_structure_and_files(embedded_run):
     report, options, _, draft_name = embedded_run
     out = Path(options.out)
     on_disk = json.loads((out / "report.json").read_text())
-    assert on_disk["verdict"] in ("GO", "NO-GO") and on_disk["verdict"] == report["verdict"]
-    assert on_disk["criteria"] and all(set(c) == {"name", "value", "threshold", "pass", "reason"} for c in on_disk["criteria"])
-    assert set(report["configs"]) == {draft_name, "ngram", f"{draft_name}-lossy-synthetic"}
-    assert report["config"] == draft_name  # lossless and complete beats lossy or failed
+    assert on_disk["verdict"] == report["verdict"] == report["recommendation"]["verdict"]
+    assert on_disk["criteria"] and all(set(c) == {"name", "value", "threshold", "pass", "reason", "binding"} for c in on_disk["criteria"])
+    measured = {draft_name, "ngram", f"{draft_name}-lossy-synthetic", f"{draft_name}-adaptive"}  # ngram died: adaptive on the draft
+    assert measured <= set(report["configs"]) <= measured | {"recommended"}
+    for name, config in report["configs"].items():  # each verdict is the rule applied to its own criteria
+        binding = [c for c in config["criteria"] if c["binding"]]
+        assert config["verdict"] == ("GO" if all(c["pass"] for c in binding) else "NO-GO"), name
+        assert {c["name"] for c in config["criteria"] if not c["binding"]} == {"ttft_p95_at_target_concurrency", "itl_p95_at_target_concurrency", "memory_headroom"}
+        assert config["engine"] == "specgate" and config["command"].startswith("python -m specgate serve")
+    assert not report["measurements"][report["config"]].get("lossy") and not report["measurements"][report["config"]].get("failure")
     assert "unavailable" not in " ".join(report["notes"])
     rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    assert {r["config"] for r in rows} == {"baseline", draft_name, "ngram", f"{draft_name}-lossy-synthetic"}
+    assert {r["config"] for r in rows} == {"baseline"} | set(report["configs"])
     assert all({"ttft_s", "itl_s", "tpot_s", "e2e_s", "phase", "category"} <= set(r) for r in rows)
     assert "# specgate gate" in (out / "report.md").read_text()
     baseline, spec = report["measurements"]["baseline"], report["measurements"][draft_name]
     assert [lv["concurrency"] for lv in spec["sweep"]] == [1, 2]
     assert spec["spec_total"]["flavour"] == "specgate" and spec["spec_total"]["num_draft_tokens"] > 0
+    acceptance = report["configs"][draft_name]["acceptance"]
+    assert acceptance["source"] == "counters" and acceptance["ar"] == spec["spec_total"]["acceptance_rate"]
+    assert len(acceptance["per_position"]) == 3 and all(0 <= r <= 1 for r in acceptance["per_position"])
     assert set(spec["per_category"]) == {"code", "prose", "grounded", "math"}
     assert baseline["spec_total"]["num_draft_tokens"] == 0
     assert spec["memory"]["peak_rss_mib"] > 0 and spec["memory"]["kv_slots_total"] == 4 and spec["memory"]["preemptions"] == 0
@@ -79,6 +91,26 @@ def test_embedded_report_structure_and_files(embedded_run):
     analysis = report["configs"][draft_name]["analysis"]
     assert analysis["per_concurrency"][0]["c"] is not None and analysis["alpha_min_c"] is not None
     assert "num_speculative_tokens_per_batch_size" in report["configs"][draft_name]["schedule"]["vllm_speculative_config"]
+
+
+def test_the_recommendation_is_a_measured_configuration(embedded_run):
+    """The recommendation is launched and measured with the same phases; GO only when its own throughput at the
+    target concurrency is at least the baseline's; `off` is the measured baseline."""
+    report, options, _, draft_name = embedded_run
+    rec = report["recommendation"]
+    assert rec["measured"] is True and rec["verdict"] == report["verdict"]
+    target = str(options.thresholds.target_concurrency)
+    if rec["kind"] == "off":
+        assert rec["config"] == "off" and report["verdict"] == "NO-GO" and "--draft none" in rec["command"]
+    else:
+        assert rec["config"] == "recommended" == report["config"] and rec["based_on"] in report["configs"]
+        measurement = report["measurements"]["recommended"]
+        assert [p["name"] for p in measurement["phases"]][-1] == "sample" and rec["command"] == measurement["command"]
+        assert rec["throughput_ratio"][target] == report["configs"]["recommended"]["analysis"]["per_concurrency"][-1]["measured_speedup"]
+    if rec["verdict"] == "GO":
+        assert rec["throughput_ratio"][target] >= 1.0
+    adaptive = report["measurements"][f"{draft_name}-adaptive"]
+    assert adaptive["policy"] == "adaptive" and "--policy adaptive" in adaptive["command"] and not adaptive.get("failure")
 
 
 def test_lossless_draft_reproduces_greedy_and_lossy_twin_is_flagged(embedded_run):
@@ -98,7 +130,7 @@ def test_a_server_killed_mid_run_is_reported_and_the_gate_goes_on(embedded_run):
     report, _, killed, draft_name = embedded_run
     ngram = report["measurements"]["ngram"]
     assert killed["pid"] and "killed by signal 9" in ngram["failure"] and str(killed["pid"]) in ngram["failure"]
-    assert [p["name"] for p in ngram["phases"][:2]] == ["warmup", "c1:code"]  # measured before the kill: kept
+    assert [p["name"] for p in ngram["phases"]] == ["warmup", "c1:code"]  # measured before the kill: kept
     assert not any(p["name"] == "sample" for p in ngram["phases"]) and ngram["samples"] == {}  # the rest: skipped
     by_name = {c["name"]: c for c in report["configs"]["ngram"]["criteria"]}
     assert not by_name["completed"]["pass"] and "signal 9" in by_name["completed"]["reason"]
@@ -153,7 +185,31 @@ def test_external_mode_cli_against_in_process_servers(tiny_model_dir, tmp_path):
     assert set(summary) >= {"verdict", "config", "criteria", "configs", "report", "notes"}
     assert (result.return_value or 0) == (0 if summary["verdict"] == "GO" else 1)
     report = json.loads(Path(summary["report"]["json"]).read_text())
+    assert report["configs"]["speculative"]["engine"] == "specgate"  # read from the server's /v1/models
+    rec = report["recommendation"]
+    assert rec["measured"] and (rec["config"], rec["kind"]) in {("speculative", "config"), ("off", "off")}
     spec = report["measurements"]["speculative"]
     assert spec["spec_total"]["flavour"] == "specgate" and spec["spec_total"]["num_drafts"] > 0
     assert spec["memory"]["peak_rss_mib"] is None and spec["memory"]["kv_slots_total"] == 2
     assert report["quality"]["speculative"]["greedy"]["rate"] == 1.0
+
+
+def test_launch_templates_start_specgate_serve_per_gamma(tiny_model_dir, tmp_path):
+    """--server-cmd / --baseline-cmd: any engine that starts from a command line; {gamma} runs once per draft length."""
+    from specgate.gate.decision import Thresholds
+    from specgate.gate.runner import GateOptions, run_gate
+
+    target = tiny_model_dir("llama")
+    serve = f"{sys.executable} -m specgate serve --target {target} --host 127.0.0.1 --port {{port}} --max-num-seqs 2 --max-seq-len 256"
+    options = GateOptions(out=tmp_path / "tpl", target=str(target), server_cmd=serve + " --draft ngram --policy fixed --gamma {gamma}",
+                          baseline_cmd=serve + " --draft none --policy off", gammas=[2, 3], recommend=False,
+                          thresholds=Thresholds(target_concurrency=2),
+                          **{**SMALL, "per_category": 1, "requests_per_level": 2, "poisson_requests": 2, "math_items": 2, "sample_prompts": 2})
+    report = run_gate(options)
+    assert set(report["configs"]) == {"server-cmd-g2", "server-cmd-g3"}
+    for name, gamma in (("server-cmd-g2", 2), ("server-cmd-g3", 3)):
+        m = report["measurements"][name]
+        assert m["engine"] == "specgate" and f"--gamma {gamma}" in m["command"] and not m.get("failure")
+        assert m["spec_total"]["mean_draft_len"] <= gamma and m["spec_total"]["num_draft_tokens"] > 0
+        assert report["quality"][name]["greedy"]["rate"] == 1.0
+    assert report["measurements"]["baseline"]["spec_total"]["num_draft_tokens"] == 0

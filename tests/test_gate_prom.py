@@ -49,6 +49,25 @@ def test_vllm_counter_deltas_give_ar_al_and_marginal_per_position_rates():
     assert not window.lossy
 
 
+def test_llamacpp_counters_read_with_vllms_meanings():
+    """llama-server --metrics: the same spec-decode counters under `llamacpp:`, unlabelled (real exposition is
+    exercised against a built llama-server in test_engines_llamacpp.py)."""
+    def text(drafts, tokens, accepted, per_pos):
+        return "\n".join([
+            "# TYPE llamacpp:spec_decode_num_drafts_total counter", f"llamacpp:spec_decode_num_drafts_total {drafts}",
+            "# TYPE llamacpp:spec_decode_num_draft_tokens_total counter", f"llamacpp:spec_decode_num_draft_tokens_total {tokens}",
+            "# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter", f"llamacpp:spec_decode_num_accepted_tokens_total {accepted}",
+            *[f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {v}' for i, v in enumerate(per_pos)],
+            "llamacpp:n_decode_total 99",
+        ])
+    window = prom.spec_window(prom.read_spec(prom.parse_exposition(text(2, 16, 3, [2, 1]))),
+                              prom.read_spec(prom.parse_exposition(text(7, 56, 13, [6, 4]))))
+    assert window.flavour == "llamacpp"
+    assert (window.num_drafts, window.num_draft_tokens, window.num_accepted_tokens) == (5, 40, 10)
+    assert window.acceptance_rate == pytest.approx(10 / 40) and window.acceptance_length == pytest.approx(1 + 10 / 5)
+    assert window.per_position_rate == pytest.approx([4 / 5, 3 / 5])
+
+
 def test_labels_with_escapes_infinities_and_timestamps_parse():
     text = 'x_total{path="a\\"b\\\\c",le="+Inf"} +Inf 1700000000000\ny NaN\nz{a="1"} -3.5e2\n'
     samples = prom.parse_exposition(text)

@@ -26,8 +26,17 @@ def register(app: typer.Typer) -> None:
     def gate(
         out: Path = typer.Option(Path("out/gate"), help="Directory for report.json, report.md, report.html, requests.jsonl and server logs."),
         target: str = typer.Option("gemma-3-270m", help="Embedded mode: the target (gemma-3-270m, an HF directory or a .gguf file); also the weights used to score quality."),
-        draft: list[str] = typer.Option(["default", "ngram"], help="Embedded mode: a speculative configuration per --draft (default, ngram, or a draft model PATH); repeatable."),
-        gamma: int = typer.Option(4, help="Draft tokens per step of every speculative configuration (--policy fixed)."),
+        engine: str = typer.Option(None, help="The engine to launch: specgate (default), llama.cpp, vllm or sglang; with --endpoint, the engine behind it (default: read from its answers)."),
+        spec: list[str] = typer.Option([], help="A speculative method of --engine, repeatable: llama.cpp ngram-simple, ngram-mod, ngram-cache, ngram-map-k, draft:PATH.gguf; vllm / sglang ngram, draft:PATH, eagle3:PATH; specgate as --draft, adaptive[:DRAFT]. ':N' sets its draft length."),
+        draft: list[str] = typer.Option(["default", "ngram"], help="specgate: a speculative configuration per --draft (default, ngram, or a draft model PATH); repeatable."),
+        gamma: str = typer.Option("4", help="Draft tokens per step of every speculative configuration, or a list (2,4,8): one configuration per length."),
+        server_cmd: str = typer.Option(None, help="Launch template of the speculative server for any engine: {port} (required), {gamma}, {model}."),
+        baseline_cmd: str = typer.Option(None, help="Launch template of the same server without speculation (with --server-cmd)."),
+        threads: int = typer.Option(None, help="llama.cpp: threads (-t, -tb); default every core."),
+        require: str = typer.Option(None, help="Targets that also bind the verdict: any of ttft,itl,memory (reported either way)."),
+        greedy_tokens: int = typer.Option(None, help="Tokens per prompt of the greedy concurrency-1 phase, compared for exact match (default 128; quick 64)."),
+        adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive", help="specgate: also measure --policy adaptive on the best fixed draft."),
+        recommend: bool = typer.Option(True, "--recommend/--no-recommend", help="Launch and measure the recommended configuration."),
         dtype: str = typer.Option("float32", help="Weights dtype of the embedded servers and the scorer: auto, float32 or bfloat16."),
         lossy: str = typer.Option(None, help="Embedded mode: also measure a LOSSY twin of the first --draft configuration (--lossy typical or synthetic:R,...); it can never be GO."),
         endpoint: str = typer.Option(None, help="External mode: base URL of the speculative OpenAI-compatible server."),
@@ -68,13 +77,17 @@ def register(app: typer.Typer) -> None:
         overrides = {
             "max_tokens": max_tokens, "per_category": per_category, "requests_per_level": requests_per_level, "qps": qps,
             "poisson_requests": poisson_requests, "math_items": math_items, "sample_prompts": sample_prompts, "max_num_seqs": max_num_seqs,
+            "greedy_tokens": greedy_tokens, "threads": threads,
         }
         for key, value in overrides.items():
             if value is not None:
                 setattr(options, key, value)
         if concurrency is not None:
             options.concurrency = _int_list(concurrency, "--concurrency")
-        options.target, options.drafts, options.gamma, options.dtype, options.lossy = target, list(draft), gamma, dtype, lossy
+        options.gammas = _int_list(gamma, "--gamma")
+        options.target, options.drafts, options.gamma, options.dtype, options.lossy = target, list(draft), options.gammas[0], dtype, lossy
+        options.engine, options.specs, options.server_cmd, options.baseline_cmd = engine, list(spec), server_cmd, baseline_cmd
+        options.adaptive, options.recommend = adaptive, recommend
         options.endpoint, options.baseline_endpoint, options.metrics_urls = endpoint, baseline_endpoint, list(metrics_url)
         options.model, options.api_key, options.workload, options.math, options.text = model, api_key, workload, math, text
         options.seed, options.score = seed, score
@@ -82,6 +95,7 @@ def register(app: typer.Typer) -> None:
         options.thresholds = Thresholds(
             target_concurrency=default_target if target_concurrency is None else target_concurrency, ttft_tolerance=ttft_tolerance,
             memory_headroom=memory_headroom, greedy_match_min=greedy_match_min,
+            require=tuple(part.strip() for part in (require or "").split(",") if part.strip()),
         )
         options.validate()
         console = common.err_console
@@ -93,7 +107,7 @@ def register(app: typer.Typer) -> None:
         with Progress(*columns, console=console, transient=False) as progress:
             report = run_gate(options, progress=progress, log=log)
         summary = {
-            "verdict": report["verdict"], "config": report["config"], "criteria": report["criteria"],
+            "verdict": report["verdict"], "config": report["config"], "recommendation": report["recommendation"], "criteria": report["criteria"],
             "configs": {name: c["verdict"] for name, c in report["configs"].items()}, "report": report["files"],
             "notes": report["notes"], "wall_s": report["wall_s"],
             "failures": {name: r["failure"] for name, r in report["measurements"].items() if r.get("failure")},
@@ -106,11 +120,13 @@ def register(app: typer.Typer) -> None:
             table = Table(title=f"gate criteria for {report['config']}")
             for column in ("criterion", "value", "threshold", "result", "reason"):
                 table.add_column(column)
-            from specgate.gate.report import _f
+            from specgate.gate.report import _f, recommendation_lines
 
             for c in report["criteria"]:
-                table.add_row(c["name"], _f(c["value"]), _f(c["threshold"]), "[green]PASS[/]" if c["pass"] else "[red]FAIL[/]", c["reason"])
+                result = ("[green]PASS[/]" if c["pass"] else "[red]FAIL[/]") + ("" if c.get("binding", True) else " (target)")
+                table.add_row(c["name"], _f(c["value"]), _f(c["threshold"]), result, c["reason"])
             common.console.print(table)
+            common.console.print("\n".join(line for line in recommendation_lines(report) if line != "```"), highlight=False, markup=False)
             for note in report["notes"]:
                 common.console.print(f"note: {note}", highlight=False)
             for name, failure in summary["failures"].items():

@@ -15,7 +15,7 @@ try:  # typer >= 0.2x vendors its own copy of click; older releases use click it
 except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as click_exceptions
 
-from specgate.cli import common, engine_cmds, gate_cmds, serve_cmds, theory_cmds, verify_cmds
+from specgate.cli import common, engine_cmds, engines_cmds, gate_cmds, serve_cmds, theory_cmds, verify_cmds
 
 app = typer.Typer(
     name="specgate",
@@ -38,7 +38,7 @@ def version(json_output: bool = typer.Option(False, "--json", help="Print one JS
         common.console.print(__version__)
 
 
-for module in (theory_cmds, verify_cmds, engine_cmds, serve_cmds, gate_cmds):
+for module in (theory_cmds, verify_cmds, engine_cmds, serve_cmds, gate_cmds, engines_cmds):
     module.register(app)
 
 

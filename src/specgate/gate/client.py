@@ -58,6 +58,8 @@ class RequestRecord:
     text: str = ""
     chunk_gaps_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
+    draft_tokens: int | None = None  # from the response's `timings` (llama.cpp: draft_n), where the engine sends them
+    accepted_tokens: int | None = None  # (llama.cpp: draft_n_accepted)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,6 +145,7 @@ class Client:
                         return record
                     if obj.get("usage"):
                         record.completion_tokens = int(obj["usage"].get("completion_tokens", 0))
+                    read_timings(obj.get("timings"), record)
                     for choice in obj.get("choices") or []:
                         text = choice.get("text") or ""
                         if text:
@@ -165,6 +168,21 @@ class Client:
                 record.tpot_s = (record.e2e_s - record.ttft_s) / (record.completion_tokens - 1)
         record.ok = True
         return record
+
+
+def read_timings(timings: Any, record: RequestRecord) -> None:
+    """llama.cpp's per-response `timings`: drafted and accepted tokens of this request (absent elsewhere)."""
+    if isinstance(timings, dict) and "draft_n" in timings:
+        record.draft_tokens = int(timings["draft_n"])
+        record.accepted_tokens = int(timings.get("draft_n_accepted", 0))
+
+
+def sum_timings(records: Sequence[RequestRecord]) -> dict[str, int] | None:
+    """Drafted and accepted tokens summed over the requests that reported timings; None when none did."""
+    timed = [r for r in records if r.draft_tokens is not None]
+    if not timed:
+        return None
+    return {"draft_tokens": sum(r.draft_tokens for r in timed), "accepted_tokens": sum(r.accepted_tokens or 0 for r in timed), "requests": len(timed)}
 
 
 @dataclass

@@ -1,18 +1,21 @@
 """The GO / NO-GO decision, as the lesson states it, and the recommended per-concurrency gamma schedule.
 
-GO only if every criterion passes (each one PASS / FAIL with its value, threshold and reason):
+GO only if every binding criterion passes (each one PASS / FAIL with its value, threshold and reason):
 1. acceptance: the measured alpha > alpha_min(gamma, c_measured), the acceptance at which
    S(alpha_min, gamma, c) = 1 (specgate.theory.alpha_min);
 2. throughput at the target concurrency >= the baseline's (closed loop, output tokens/s);
-3. TTFT p95 at the target concurrency <= baseline p95 x (1 + ttft_tolerance);
-4. ITL p95 at the target concurrency < the baseline's (strictly better);
-5. memory headroom: peak server RSS <= (1 - memory_headroom) x the machine's RAM (and GPU memory likewise where
-   measured), and no more preemptions than the baseline;
-6. greedy exact match >= greedy_match_min (1.0: a lossless configuration reproduces the baseline);
-7. math exact match: the paired difference's 95% CI contains 0 (or the delta is >= 0);
-8. sampled log-likelihood: the two-sample test does not flag a shift (p >= its significance);
-9. lossless: the configuration is not lossy (a lossy mode can never be GO as lossless);
-10. completed: the configuration's server ran every phase (did not die mid-run).
+3. greedy exact match >= greedy_match_min (1.0: a lossless configuration reproduces the baseline);
+4. math exact match: the paired difference's 95% CI contains 0 (or the delta is >= 0);
+5. sampled log-likelihood: the two-sample test does not flag a shift (p >= its significance);
+6. lossless: not labelled lossy; for an engine other than specgate, whose verifier is not ours, only when the
+   exact-match and log-likelihood tests both pass ("unknown" otherwise);
+7. completed: the configuration's server ran every phase (did not die mid-run).
+Targets, reported with PASS / FAIL beside them and binding only when asked (`Thresholds.require`, the CLI's
+`--require ttft,itl,memory`): TTFT p95 <= baseline x (1 + ttft_tolerance); ITL p95 < baseline (an improvement);
+memory headroom (peak RSS <= (1 - memory_headroom) x RAM, GPU likewise, no more preemptions than the baseline).
+Speculation is a latency optimisation whose cost shows up as lost throughput: the lesson's rule judges the
+acceptance against the measured cost and the throughput under load; latency and memory goals depend on the
+deployment, so they bind only where the user says they do.
 
 Measured c (effective draft cost ratio, verify overhead included), from the closed-loop step times at
 concurrency n: t_step = sum over requests of (e2e - TTFT) / decode steps after the first token, where a
@@ -36,6 +39,7 @@ CRITERIA = (
     "itl_p95_at_target_concurrency", "memory_headroom", "greedy_exact_match", "math_exact_match_delta",
     "sampled_loglik_shift", "lossless", "completed",
 )
+TARGETS = {"ttft": "ttft_p95_at_target_concurrency", "itl": "itl_p95_at_target_concurrency", "memory": "memory_headroom"}
 
 
 @dataclass
@@ -45,8 +49,12 @@ class Thresholds:
     memory_headroom: float = 0.20  # keep 20% of RAM / GPU memory free
     greedy_match_min: float = 1.0
     gamma_max: int = 8
+    require: tuple[str, ...] = ()  # targets made binding: any of TARGETS' keys
 
     def validate(self) -> None:
+        unknown = [name for name in self.require if name not in TARGETS]
+        if unknown:
+            raise ValueError(f"--require {','.join(unknown)} is not a target: use any of {', '.join(TARGETS)} (comma-separated)")
         if self.target_concurrency < 1:
             raise ValueError(f"--target-concurrency {self.target_concurrency} must be >= 1")
         if not 0.0 <= self.ttft_tolerance <= 10.0:
@@ -64,9 +72,11 @@ class Criterion:
     threshold: Any
     passed: bool
     reason: str
+    binding: bool = True  # a target (TTFT, ITL, memory) is reported but binds only when required
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "value": self.value, "threshold": self.threshold, "pass": self.passed, "reason": self.reason}
+        return {"name": self.name, "value": self.value, "threshold": self.threshold, "pass": self.passed, "reason": self.reason,
+                "binding": self.binding}
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -117,7 +127,7 @@ def analyse(baseline: dict, spec: dict, gamma_max: int = 8) -> dict[str, Any]:
             continue
         window = level.get("spec") or {}
         length = window.get("acceptance_length")
-        g_eff = max(int(round(window.get("mean_draft_len") or gamma)), 1)
+        g_eff = max(int(round(window.get("mean_draft_len") or gamma)), 1)  # the engine's measured draft length
         alpha = alpha_from_acceptance_length(length, g_eff) if length else None
         c = measured_c(base, level, g_eff)
         predicted = theory.speedup(alpha, g_eff, c) if alpha is not None and c is not None else None
@@ -269,13 +279,27 @@ def decide(baseline: dict, spec: dict, quality: dict, thresholds: Thresholds, an
                              f"{loglik['baseline_mean']:.3f}, p={loglik['p_value']:.3g}" + (" (a shift: lossy?)" if loglik["flagged"] else "")))
 
     # 9-10. lossless and completed
-    lossy = bool(spec.get("lossy")) or bool((spec.get("spec_total") or {}).get("lossy"))
-    out.append(Criterion(CRITERIA[8], not lossy, True, not lossy,
-                         "lossy verification (labelled lossy by the server or the configuration): never GO as lossless" if lossy else "exact verification"))
+    out.append(_lossless(spec, out[5], out[7]))
     failure = spec.get("failure") or (f"baseline: {baseline['failure']}" if baseline.get("failure") else None)
     out.append(Criterion(CRITERIA[9], failure is None, True, failure is None, failure or "every phase ran"))
-    verdict = "GO" if all(c.passed for c in out) else "NO-GO"
+    required = {TARGETS[name] for name in thresholds.require}
+    for c in out:
+        c.binding = c.name not in TARGETS.values() or c.name in required
+    verdict = "GO" if all(c.passed for c in out if c.binding) else "NO-GO"
     return verdict, out
+
+
+def _lossless(spec: dict, greedy: Criterion, loglik: Criterion) -> Criterion:
+    """Labelled lossy: never lossless. specgate's verifier is proven exact; another engine's is only inferred, from
+    identical greedy output and an unshifted sampled log-likelihood, and is "unknown" otherwise."""
+    if spec.get("lossy") or (spec.get("spec_total") or {}).get("lossy"):
+        return Criterion(CRITERIA[8], False, True, False, "lossy verification (labelled lossy by the server or the configuration): never GO as lossless")
+    if (spec.get("engine") or "specgate") == "specgate":
+        return Criterion(CRITERIA[8], True, True, True, "exact verification (specgate's verifier, proven by check-lossless)")
+    if greedy.passed and loglik.passed:
+        return Criterion(CRITERIA[8], True, True, True, f"{spec['engine']}: inferred from identical greedy output and an unshifted log-likelihood")
+    failed = " and ".join(n for n, c in (("greedy exact match", greedy), ("sampled log-likelihood", loglik)) if not c.passed)
+    return Criterion(CRITERIA[8], "unknown", True, False, f"{spec['engine']} is not assumed lossless and its {failed} test did not pass")
 
 
 LOGLIK_THRESHOLD_TEXT = "p >= 0.01"

@@ -9,6 +9,7 @@ Flavours (the names each engine documents):
   `vllm:spec_decode_num_accepted_tokens_total`, `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}`;
   `vllm:num_preemptions_total`, `vllm:generation_tokens_total`.
 - specgate: the same names under `specgate:`, plus a `lossless` label, `specgate:kv_slots_total`.
+- llama.cpp (`llama-server --metrics`): the same spec-decode names under `llamacpp:`, with vLLM's meanings.
 - SGLang: gauges `sglang:spec_accept_length` and `sglang:spec_accept_rate` (the most recent batch, not
   cumulative: the window reports the value read after it, and AR / AL cannot be derived from deltas).
 From counter deltas: AR = accepted / draft_tokens; mean AL = 1 + accepted / drafts; per-position rate
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+-?\d+)?\s*$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-FLAVOURS = ("vllm", "specgate")
+FLAVOURS = ("vllm", "specgate", "llamacpp")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def _sum(samples: list[Sample], name: str, **where: str) -> float | None:
 class SpecSnapshot:
     """Speculative-decoding metrics read at one instant (counters cumulative since the server started)."""
 
-    flavour: str | None  # "vllm", "specgate", "sglang" or None (no spec-decode metrics found)
+    flavour: str | None  # "vllm", "specgate", "llamacpp", "sglang" or None (no spec-decode metrics found)
     num_drafts: float | None = None
     num_draft_tokens: float | None = None
     num_accepted_tokens: float | None = None

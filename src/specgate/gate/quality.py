@@ -29,13 +29,16 @@ BOOTSTRAP_RESAMPLES = 2000
 MATH_SHOTS = "Q: What is 7 + 5?\nA: 12\nQ: What is 20 - 8?\nA: 12\nQ: What is 6 * 4?\nA: 24\n"
 
 
+MISMATCH_CHARS = 160  # of each continuation shown from the first difference
+
+
 def math_prompt(item: MathItem) -> str:
     """A few-shot prompt whose answer is the first number the model writes."""
     return f"{MATH_SHOTS}Q: {item.question}\nA:"
 
 
 def greedy_exact_match(baseline: dict[str, str], speculative: dict[str, str], categories: dict[str, str] | None = None) -> dict[str, Any]:
-    """Compare greedy outputs paired by prompt id: the rate and every mismatch (first differing character)."""
+    """Compare greedy outputs paired by prompt id: the rate and every mismatch (where it starts, both continuations)."""
     common = sorted(set(baseline) & set(speculative))
     mismatches = []
     for pid in common:
@@ -43,11 +46,19 @@ def greedy_exact_match(baseline: dict[str, str], speculative: dict[str, str], ca
         if a != b:
             at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             mismatches.append({
-                "prompt_id": pid, "category": (categories or {}).get(pid), "first_diff_char": at,
-                "baseline": a[max(at - 20, 0) : at + 40], "speculative": b[max(at - 20, 0) : at + 40],
+                "prompt_id": pid, "category": (categories or {}).get(pid), "first_diff_char": at, "first_diff_token": None,
+                "context": a[max(at - 40, 0) : at], "baseline": a[at : at + MISMATCH_CHARS], "speculative": b[at : at + MISMATCH_CHARS],
             })
     rate = (len(common) - len(mismatches)) / len(common) if common else None
     return {"pairs": len(common), "matches": len(common) - len(mismatches), "rate": rate, "mismatches": mismatches}
+
+
+def add_token_positions(greedy: dict[str, Any], baseline: dict[str, str], speculative: dict[str, str], tokenizer: Any) -> None:
+    """Each mismatch's first differing token, counted in the target tokenizer's encoding of both outputs."""
+    for m in greedy["mismatches"]:
+        a = tokenizer.encode(baseline[m["prompt_id"]], add_special_tokens=False)
+        b = tokenizer.encode(speculative[m["prompt_id"]], add_special_tokens=False)
+        m["first_diff_token"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def bootstrap_ci(values: np.ndarray, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float]:

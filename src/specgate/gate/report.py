@@ -40,44 +40,87 @@ def _speculative(results: dict[str, dict]) -> list[str]:
     return [name for name, r in results.items() if name != "baseline"]
 
 
-def build_report(options: Any, plan: Any, results: dict[str, dict], scored: dict, notes: list[str], *, wall_s: float) -> dict[str, Any]:
+def acceptance(result: dict[str, Any]) -> dict[str, Any] | None:
+    """{ar, al, per_position, source} over every phase: counter deltas, else the responses' summed timings."""
+    total = result.get("spec_total") or {}
+    if total.get("flavour") and (total.get("num_draft_tokens") or total.get("acceptance_rate") is not None):
+        rates, gamma = list(total.get("per_position_rate") or []), int(result.get("gamma") or 0)
+        if gamma and not any(rates[gamma:]):  # llama.cpp exports zeros past the draft length
+            rates = rates[:gamma]
+        rates += [0.0] * (gamma - len(rates)) if total.get("num_drafts") else []  # a never-accepted position exports no sample
+        out = {"ar": total.get("acceptance_rate"), "al": total.get("acceptance_length"), "per_position": rates,
+               "source": "counters", "flavour": total.get("flavour"), "timings": result.get("timings_total"), "warning": None}
+        if gamma and (total.get("mean_draft_len") or 0.0) > gamma + 1e-9:
+            out["warning"] = (f"drafted {total['mean_draft_len']:.1f} tokens per draft, more than the configured draft length {gamma}: the "
+                              "engine's draft-length option does not govern this method; alpha and c use the measured mean")
+        return out
+    timed = result.get("timings_total")
+    if timed and timed.get("draft_tokens"):
+        return {"ar": timed["accepted_tokens"] / timed["draft_tokens"], "al": None, "per_position": [], "source": "timings",
+                "flavour": None, "timings": timed, "warning": None}
+    return None
+
+
+def build_report(options: Any, plan: Any, results: dict[str, dict], scored: dict, notes: list[str], *, wall_s: float,
+                 advice: Any = None) -> dict[str, Any]:
     """Decide every speculative configuration against the baseline and assemble the report dict."""
+    from specgate.gate.recommend import RECOMMENDED, config_quality
+
     baseline = results.get("baseline") or {"name": "baseline", "failure": "the baseline server did not run"}
     configs: dict[str, Any] = {}
     quality_all: dict[str, Any] = {}
     for name in _speculative(results):
         spec = results[name]
-        q: dict[str, Any] = {
-            "greedy": quality.greedy_exact_match(baseline.get("greedy") or {}, spec.get("greedy") or {}, plan.categories),
-            "math": quality.paired_math(plan.math_items, baseline.get("math_outputs") or {}, spec.get("math_outputs") or {}, options.seed)
-            if baseline.get("math_outputs") and spec.get("math_outputs") else {},
-        }
         base_ll, spec_ll = scored["loglik"].get("baseline"), scored["loglik"].get(name)
-        if base_ll and spec_ll:
-            q["loglik"] = quality.loglik_two_sample(base_ll, spec_ll).to_dict()
-        else:
-            q["loglik"] = {"reason": "sampled continuations not scored (no target weights here, or a phase failed)"}
+        q = config_quality(plan, baseline, spec, options.seed, quality.loglik_two_sample(base_ll, spec_ll).to_dict() if base_ll and spec_ll else None)
+        if scored.get("tokenizer") is not None:
+            quality.add_token_positions(q["greedy"], baseline.get("greedy") or {}, spec.get("greedy") or {}, scored["tokenizer"])
         analysis = decision.analyse(baseline, spec, options.thresholds.gamma_max)
         verdict, criteria = decision.decide(baseline, spec, q, options.thresholds, analysis)
         configs[name] = {
-            "verdict": verdict, "criteria": decision.criteria_dicts(criteria), "analysis": analysis,
+            "verdict": verdict, "engine": spec.get("engine"), "command": spec.get("command"), "acceptance": acceptance(spec),
+            "criteria": decision.criteria_dicts(criteria), "analysis": analysis,
             "schedule": decision.schedule_exports(analysis, spec.get("draft") or name, options.max_num_seqs),
         }
+        if (configs[name]["acceptance"] or {}).get("warning"):
+            notes.append(f"{name}: {configs[name]['acceptance']['warning']}")
+        if configs[name]["acceptance"] is None and not spec.get("failure"):
+            notes.append(f"{name}: the engine reported neither spec-decode counters nor per-response timings: acceptance not measured")
         quality_all[name] = q
-    headline = _headline(configs, results, options.thresholds.target_concurrency)
+    recommendation = _recommendation(advice, configs, results, baseline, options.thresholds.target_concurrency, RECOMMENDED)
+    headline = recommendation["config"] if recommendation["config"] in configs else _headline(configs, results, options.thresholds.target_concurrency)
     top = configs.get(headline) if headline else None
-    criteria = top["criteria"] if top else [{"name": "completed", "value": False, "threshold": True, "pass": False,
+    criteria = top["criteria"] if top else [{"name": "completed", "value": False, "threshold": True, "pass": False, "binding": True,
                                             "reason": "no speculative configuration was measured"}]
     for result in results.values():
         for key in ("greedy", "math_outputs", "samples"):
             result.setdefault(key, {})
     return {
-        "verdict": top["verdict"] if top else "NO-GO", "config": headline, "criteria": criteria,
+        "verdict": recommendation["verdict"], "config": headline, "recommendation": recommendation, "criteria": criteria,
         "configs": configs, "quality": quality_all, "perplexity": scored.get("perplexity"), "notes": notes,
         "measurements": results, "thresholds": decision.thresholds_dict(options.thresholds),
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(options).items() if k != "thresholds"},
         "definitions": DEFINITIONS, "wall_s": wall_s, "scoring_s": scored.get("scoring_s"),
     }
+
+
+def _recommendation(advice: Any, configs: dict, results: dict, baseline: dict, concurrency: int, recommended: str) -> dict[str, Any]:
+    """report.json's `recommendation`: what to deploy, its command, and its verdict from its own measurements."""
+    def ratios(name: str) -> dict[str, float | None]:
+        rows = (configs.get(name) or {}).get("analysis", {}).get("per_concurrency", [])
+        return {str(r["concurrency"]): r["measured_speedup"] for r in rows}
+
+    if advice is None or advice.kind == "off":
+        return {"config": "off", "engine": baseline.get("engine"), "command": baseline.get("command"), "measured": bool(baseline.get("sweep")),
+                "verdict": "NO-GO", "throughput_ratio": {str(lv["concurrency"]): 1.0 for lv in baseline.get("sweep") or []},
+                "kind": "off", "based_on": None, "reason": advice.reason if advice else "no recommendation was derived"}
+    name = recommended if recommended in configs else advice.based_on  # external: the endpoint's own measurements
+    measured = name in configs and not results[name].get("failure")
+    verdict = configs[name]["verdict"] if measured else "NO-GO"
+    reason = advice.reason if measured else f"{advice.reason}; but the recommendation's own run failed: {(results.get(name) or {}).get('failure')}"
+    return {"config": name, "engine": results.get(name, {}).get("engine"), "command": results.get(name, {}).get("command"),
+            "measured": measured, "verdict": verdict, "throughput_ratio": ratios(name), "kind": advice.kind, "based_on": advice.based_on,
+            "reason": reason}
 
 
 def _headline(configs: dict[str, Any], results: dict[str, dict], concurrency: int) -> str | None:
@@ -111,8 +154,8 @@ def _num(x: Any) -> float:
 
 
 def _concurrency_axis(ax: Any, levels: list[int]) -> None:
-    ax.set_xscale("log", base=2)
-    if levels:
+    if levels:  # nothing measured (every server failed to start): a linear, empty axis
+        ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(n) for n in levels])
         ax.minorticks_off()
 
@@ -222,14 +265,38 @@ def _schedule_text(config: dict[str, Any]) -> str:
     ])
 
 
+def _result(c: dict[str, Any]) -> str:
+    return ("PASS" if c["pass"] else "FAIL") + ("" if c.get("binding", True) else " (target)")
+
+
+def recommendation_lines(report: dict[str, Any]) -> list[str]:
+    """The headline: what to deploy, the command to paste, and the verdict of its own measured run."""
+    r = report["recommendation"]
+    if r["kind"] == "off":
+        return [f"**Recommendation: serve without speculation** ({r['reason']}).",
+                *([f"", "```", r["command"], "```"] if r.get("command") else [])]
+    ratios = ", ".join(f"C={c}: {_f(v)}x" for c, v in r["throughput_ratio"].items())
+    lines = [f"**Recommendation: `{r['config']}`** on {r['engine']} ({r['kind']}, from `{r['based_on']}`), measured as its own "
+             f"configuration: **{r['verdict']}**; throughput vs the baseline {ratios or 'n/a'}.", "", f"Why: {r['reason']}."]
+    if r.get("command"):
+        lines += ["", "```", r["command"], "```"]
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     lines = [f"# specgate gate: **{report['verdict']}**" + (f" for `{report['config']}`" if report["config"] else ""), ""]
+    lines += recommendation_lines(report) + [""]
     lines += [f"- {note}" for note in report["notes"]] + ([""] if report["notes"] else [])
     lines += ["## Criteria", "", "| criterion | value | threshold | result | reason |", "|---|---|---|---|---|"]
     for c in report["criteria"]:
-        lines.append(f"| {c['name']} | {_f(c['value'])} | {_f(c['threshold'])} | {'PASS' if c['pass'] else 'FAIL'} | {c['reason']} |")
+        lines.append(f"| {c['name']} | {_f(c['value'])} | {_f(c['threshold'])} | {_result(c)} | {c['reason']} |")
     for name, c in report["configs"].items():
-        lines += ["", f"## Configuration `{name}`: {c['verdict']}", ""]
+        acc = c.get("acceptance") or {}
+        lines += ["", f"## Configuration `{name}` ({c.get('engine') or 'unknown'}): {c['verdict']}", ""]
+        if c.get("command"):
+            lines += ["```", c["command"], "```", ""]
+        lines.append(f"Acceptance ({acc.get('source') or 'not reported by the engine'}): AR {_f(acc.get('ar'))}, AL {_f(acc.get('al'))}, "
+                     f"per position {_f(acc.get('per_position') or None)}.")
         if name != report["config"]:
             failed = [x["name"] for x in c["criteria"] if not x["pass"]]
             lines.append(f"Failed criteria: {', '.join(failed) or 'none'}.")
@@ -242,7 +309,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "Recommended schedule:", "", "```", _schedule_text(c), "```"]
         q = report["quality"][name]
         for m in q["greedy"]["mismatches"]:
-            lines.append(f"- greedy mismatch `{m['prompt_id']}` at char {m['first_diff_char']}: baseline {m['baseline']!r} vs {m['speculative']!r}")
+            at = f"token {m['first_diff_token']}" if m.get("first_diff_token") is not None else f"char {m['first_diff_char']}"
+            lines.append(f"- greedy mismatch `{m['prompt_id']}` ({m.get('category')}) from {at}, after {m.get('context', '')!r}: "
+                         f"baseline {m['baseline']!r} vs speculative {m['speculative']!r}")
     lines += ["", "## Load sweep (closed loop)", "", "| " + " | ".join(SWEEP_HEADER) + " |", "|" + "---|" * len(SWEEP_HEADER)]
     lines += ["| " + " | ".join(row) + " |" for row in _sweep_rows(report)]
     lines += ["", "## Per category (closed loop, concurrency 1)", "", "| config | category | AR | AL | out tok/s | TTFT p50 ms | TPOT p50 ms |",
@@ -277,7 +346,16 @@ def render_html(report: dict[str, Any], plots: dict[str, str]) -> str:
     colour = "#1a7f37" if verdict == "GO" else "#b42318"
     rows = "".join(
         f"<tr class='{'pass' if c['pass'] else 'fail'}'><td>{e(c['name'])}</td><td>{e(_f(c['value']))}</td><td>{e(_f(c['threshold']))}</td>"
-        f"<td>{'PASS' if c['pass'] else 'FAIL'}</td><td>{e(c['reason'])}</td></tr>" for c in report["criteria"]
+        f"<td>{_result(c)}</td><td>{e(c['reason'])}</td></tr>" for c in report["criteria"]
+    )
+    rec = report["recommendation"]
+    recommendation = (f"<div id='recommendation'><h2>Recommendation: {e(rec['config'])} ({e(rec['verdict'])})</h2><p>{e(rec['reason'])}</p>"
+                      + (f"<pre>{e(rec['command'])}</pre>" if rec.get("command") else "") + "</div>")
+    mismatches = "".join(
+        f"<li><code>{e(name)}</code> / <code>{e(m['prompt_id'])}</code> from "
+        f"{e('token ' + str(m['first_diff_token']) if m.get('first_diff_token') is not None else 'char ' + str(m['first_diff_char']))}:"
+        f"<br>baseline: <code>{e(m['baseline'])}</code><br>speculative: <code>{e(m['speculative'])}</code></li>"
+        for name, q in report["quality"].items() for m in q["greedy"]["mismatches"]
     )
     sweep = "".join("<tr>" + "".join(f"<td>{e(x)}</td>" for x in row) + "</tr>" for row in _sweep_rows(report))
     images = "".join(
@@ -286,7 +364,8 @@ def render_html(report: dict[str, Any], plots: dict[str, str]) -> str:
     notes = "".join(f"<li>{e(n)}</li>" for n in report["notes"])
     schedules = "".join(f"<h3>{e(name)}: {e(c['verdict'])}</h3><pre>{e(_schedule_text(c))}</pre>" for name, c in report["configs"].items())
     configs = "".join(
-        f"<tr><td>{e(name)}</td><td>{e(c['verdict'])}</td><td>{e(', '.join(x['name'] for x in c['criteria'] if not x['pass']) or 'none')}</td>"
+        f"<tr><td>{e(name)}</td><td>{e(str(c.get('engine')))}</td><td>{e(c['verdict'])}</td><td>{e(_f((c.get('acceptance') or {}).get('ar')))}</td>"
+        f"<td>{e(', '.join(x['name'] for x in c['criteria'] if not x['pass']) or 'none')}</td>"
         f"<td>{e(report['measurements'][name].get('failure') or '')}</td></tr>" for name, c in report["configs"].items()
     )
     definitions = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in report["definitions"].items())
@@ -303,8 +382,10 @@ img.plot {{ max-width: 100%; }} pre {{ background: #f6f8fa; padding: 8px; overfl
 <p id="verdict">{e(verdict)}</p>
 <p>Configuration: <code>{e(str(report['config']))}</code>; target concurrency {report['thresholds']['target_concurrency']}; wall time {report['wall_s']:.1f} s.</p>
 <ul>{notes}</ul>
+{recommendation}
 <h2>Configurations</h2>
-<table id="configs"><tr><th>configuration</th><th>verdict</th><th>failed criteria</th><th>failure</th></tr>{configs}</table>
+<table id="configs"><tr><th>configuration</th><th>engine</th><th>verdict</th><th>AR</th><th>failed criteria</th><th>failure</th></tr>{configs}</table>
+<h2>Greedy mismatches</h2><ul id="mismatches">{mismatches or '<li>none</li>'}</ul>
 <h2>Criteria of <code>{e(str(report['config']))}</code></h2>
 <table id="criteria"><tr><th>criterion</th><th>value</th><th>threshold</th><th>result</th><th>reason</th></tr>{rows}</table>
 <h2>Plots</h2>{images}

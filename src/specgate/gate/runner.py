@@ -21,9 +21,7 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,20 +29,28 @@ from pathlib import Path
 from typing import Any
 
 from specgate.gate import client as gate_client
-from specgate.gate import decision, prom, quality
+from specgate.gate import decision, launch, prom, quality, recommend
+from specgate.gate.launch import Endpoint, ServerStartError
 from specgate.gate import workload as wl
 
-SERVER_START_TIMEOUT_S = 900.0  # the first Gemma conversion takes ~2 minutes on 2 cores
 
 
 @dataclass
 class GateOptions:
     out: Path
     target: str = "gemma-3-270m"
-    drafts: list[str] = field(default_factory=lambda: ["default", "ngram"])
+    drafts: list[str] = field(default_factory=lambda: ["default", "ngram"])  # specgate: --draft (each at --policy fixed)
     gamma: int = 4
+    gammas: list[int] = field(default_factory=list)  # every draft length to try (--gamma 2,4,8); [gamma] when empty
     dtype: str = "float32"
     lossy: str | None = None  # embedded: add one LOSSY configuration (ngram drafts, --lossy SPEC) to the comparison
+    engine: str | None = None  # the engine to launch (default specgate) or behind --endpoint (default: read from its answers)
+    specs: list[str] = field(default_factory=list)  # --spec: the engine's speculative methods (default per engine)
+    server_cmd: str | None = None  # a launch template for any engine: {port}, {gamma}, {model}
+    baseline_cmd: str | None = None
+    threads: int | None = None  # llama.cpp: -t (default: every core)
+    adaptive: bool = True  # specgate: also measure --policy adaptive on the best fixed draft
+    recommend: bool = True  # launch and measure the recommended configuration
     endpoint: str | None = None
     baseline_endpoint: str | None = None
     metrics_urls: list[str] = field(default_factory=list)  # external: [spec, baseline] metrics URLs (default URL/metrics)
@@ -59,6 +65,7 @@ class GateOptions:
     requests_per_level: int = 16
     poisson_requests: int = 16
     max_tokens: int = 64
+    greedy_tokens: int = 128  # tokens per prompt of the concurrency-1 greedy phase (exact match, acceptance per category)
     math_items: int = 40
     sample_prompts: int = 24
     max_num_seqs: int = 8
@@ -72,15 +79,28 @@ class GateOptions:
     def quick(out: Path) -> "GateOptions":
         """~5 minutes of gate work on Gemma-3-270M on 2 cores (plus model loading)."""
         return GateOptions(out=out, concurrency=[1, 4], per_category=2, requests_per_level=6, poisson_requests=5, qps=1.0,
-                           max_tokens=24, math_items=8, sample_prompts=8, max_num_seqs=4, max_seq_len=512)
+                           max_tokens=24, greedy_tokens=64, math_items=8, sample_prompts=8, max_num_seqs=4, max_seq_len=512)
 
     @property
     def external(self) -> bool:
         return self.endpoint is not None or self.baseline_endpoint is not None
 
+    def launch_options(self) -> launch.LaunchOptions:
+        engine = self.engine or ("unknown" if self.server_cmd or self.baseline_cmd else "specgate")  # a template's engine: read from its server
+        specs = self.specs or (self.drafts if engine == "specgate" else launch.DEFAULT_SPECS.get(engine, []))
+        return launch.LaunchOptions(
+            engine=engine, target=self.target, specs=list(specs), gamma=self.gamma, gammas=list(self.gammas),
+            max_num_seqs=self.max_num_seqs, max_seq_len=self.max_seq_len, dtype=resolve_dtype(self.dtype), lossy=self.lossy,
+            model=self.model, threads=self.threads, server_cmd=self.server_cmd, baseline_cmd=self.baseline_cmd,
+        )
+
     def validate(self) -> None:
         if self.external and not (self.endpoint and self.baseline_endpoint):
             raise ValueError("external mode needs both --endpoint URL (speculative) and --baseline-endpoint URL (no speculation)")
+        if self.external and (self.server_cmd or self.baseline_cmd):
+            raise ValueError("--endpoint / --baseline-endpoint reach running servers; --server-cmd / --baseline-cmd start them: give one pair")
+        if self.engine not in (*launch.ENGINES, "unknown", None):
+            raise ValueError(f"--engine {self.engine!r} is not known: use one of {', '.join(launch.ENGINES)}")
         for url in [self.endpoint, self.baseline_endpoint, *self.metrics_urls]:
             if url is not None and not url.startswith(("http://", "https://")):
                 raise ValueError(f"URL {url!r} must start with http:// or https://")
@@ -94,18 +114,26 @@ class GateOptions:
                 f"--target-concurrency {self.thresholds.target_concurrency} is not among the measured --concurrency "
                 f"{','.join(map(str, self.concurrency))}: add it to --concurrency or pick one of them"
             )
-        if not 1 <= self.gamma <= 64:
-            raise ValueError(f"--gamma {self.gamma} is out of range 1..64 (draft tokens per step)")
-        for name in ("per_category", "requests_per_level", "poisson_requests", "max_tokens", "math_items", "sample_prompts", "max_num_seqs"):
+        self.gammas = self.gammas or [self.gamma]
+        self.gamma = self.gammas[0]
+        for g in self.gammas:
+            if not 1 <= g <= 64:
+                raise ValueError(f"--gamma {g} is out of range 1..64 (draft tokens per step)")
+        for name in ("per_category", "requests_per_level", "poisson_requests", "max_tokens", "greedy_tokens", "math_items", "sample_prompts", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
         if not self.qps > 0:
             raise ValueError(f"--qps {self.qps} must be > 0 (Poisson arrival rate, requests per second)")
-        if not self.external and self.target != "gemma-3-270m" and not Path(self.target).expanduser().exists():
+        if not self.external and self.engine in (None, "specgate") and not self.server_cmd and self.target != "gemma-3-270m" \
+                and not Path(self.target).expanduser().exists():
             raise ValueError(f"--target {self.target!r} does not exist: give gemma-3-270m, a local HF directory or a .gguf file")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"--dtype {self.dtype!r} is not supported: use auto, float32 or bfloat16")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads {self.threads} must be >= 1")
         self.thresholds.validate()
+        if not self.external:
+            launch.build_profiles(self.launch_options())  # a bad engine, spec or template is one line now, not mid-run
 
 
 def check_out_dir(out: Path) -> Path:
@@ -137,59 +165,6 @@ def resolve_dtype(dtype: str) -> str:
 # ------------------------------------------------------------------------------------------ servers
 
 
-class ServerStartError(RuntimeError):
-    pass
-
-
-@dataclass
-class Endpoint:
-    name: str
-    url: str
-    metrics_url: str
-    process: subprocess.Popen | None = None
-    log_path: Path | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def alive(self) -> bool:
-        return self.process is None or self.process.poll() is None
-
-    def exit_description(self, wait_s: float = 2.0) -> str:
-        """How the server ended. A process whose connections just broke may not have been reaped yet (its requests
-        fail before waitpid sees it exit): wait up to wait_s for its exit status before calling it unresponsive."""
-        if self.process is not None and self.process.returncode is None:
-            try:
-                self.process.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.process is None or self.process.returncode is None:
-            return "stopped answering"
-        code = self.process.returncode
-        how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        return f"server process {self.process.pid} {how}"
-
-    def peak_rss_mib(self) -> float | None:
-        """VmHWM (peak resident set) of the server process, from /proc (Linux)."""
-        if self.process is None:
-            return None
-        try:
-            for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-        except OSError:
-            return None
-        return None
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)  # drains (running requests finish), exits 0
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
-
-
 def mem_total_mib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -216,37 +191,6 @@ def gpu_memory_mib(pid: int | None = None) -> dict[str, float] | None:
         return {"used": used, "total": total}
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
-
-
-def start_embedded(name: str, options: GateOptions, draft: str, lossy: str | None = None) -> Endpoint:
-    """`specgate serve` on 127.0.0.1, any free port; returns once it listens (ServerStartError with its error)."""
-    log_path = options.out / f"server-{name}.log"
-    info_path = options.out / f"server-{name}.json"
-    cmd = [
-        sys.executable, "-m", "specgate", "serve", "--target", options.target, "--draft", draft, "--host", "127.0.0.1", "--port", "0",
-        "--policy", "off" if draft == "none" else "fixed", "--gamma", str(options.gamma), "--max-num-seqs", str(options.max_num_seqs),
-        "--max-waiting", "1024", "--max-seq-len", str(options.max_seq_len), "--dtype", resolve_dtype(options.dtype), "--json",
-    ]
-    if lossy:
-        cmd += ["--lossy", lossy]
-    with open(info_path, "wb") as stdout, open(log_path, "wb") as stderr:
-        process = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            info = json.loads(info_path.read_text())
-            url = info["url"]
-            return Endpoint(name, url, f"{url}/metrics", process, log_path, info)
-        except (ValueError, KeyError, OSError):
-            pass
-        if process.poll() is not None:
-            lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-            message = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else "no output")
-            raise ServerStartError(f"`specgate serve --draft {draft}` exited with status {process.returncode}: {message.strip()}")
-        time.sleep(0.2)
-    process.kill()
-    process.wait()
-    raise ServerStartError(f"`specgate serve --draft {draft}` did not start listening within {SERVER_START_TIMEOUT_S:.0f} s (log: {log_path})")
 
 
 def default_draft_unavailable(target: str) -> str | None:
@@ -293,8 +237,8 @@ def make_plan(options: GateOptions) -> Plan:
         return gate_client.RequestSpec(p.id, p.category, p.prompt, p.max_tokens or options.max_tokens, **kw)
 
     by_category: dict[str, list[gate_client.RequestSpec]] = {}
-    for p in prompts:
-        by_category.setdefault(p.category, []).append(spec(p))
+    for p in prompts:  # the greedy phase is long enough to show a divergence that 24 tokens hide
+        by_category.setdefault(p.category, []).append(gate_client.RequestSpec(p.id, p.category, p.prompt, p.max_tokens or options.greedy_tokens))
     load = [spec(prompts[i % len(prompts)]) for i in range(options.requests_per_level)]
     poisson = [spec(prompts[i % len(prompts)]) for i in range(options.poisson_requests)]
     math_specs = [gate_client.RequestSpec(m.id, "math-set", quality.math_prompt(m), 8, ignore_eos=False, stop=["\n"]) for m in math_items]
@@ -333,6 +277,7 @@ async def measure_config(
     client = gate_client.Client(endpoint.url, model=options.model, api_key=options.api_key, timeout_s=options.request_timeout_s)
     http = httpx.AsyncClient()
     windows: list[prom.SpecWindow] = []
+    timed: list[gate_client.RequestRecord] = []
     result.update({"sweep": [], "per_category": {}, "per_category_latency": {}, "greedy": {}, "math_outputs": {}, "samples": {}, "phases": []})
     try:
         async def phase(phase_name: str, run: Callable[[], Any]) -> tuple[gate_client.PhaseResult, prom.SpecWindow | None] | None:
@@ -345,6 +290,8 @@ async def measure_config(
                 windows.append(window)
             for record in outcome.records:
                 records.append(record.to_dict())
+            if window is not None or before is None:  # the timings cover the same requests as the counters
+                timed.extend(outcome.records)
             result["phases"].append({"name": phase_name, "wall_s": time.perf_counter() - phase_start, "failed": sum(not r.ok for r in outcome.records)})
             failed = [r for r in outcome.records if not r.ok]
             if after_phase is not None:
@@ -392,6 +339,7 @@ async def measure_config(
     finally:
         snapshot = await _scrape(http, endpoint.metrics_url)
         result["spec_total"] = prom.merge_windows(windows).to_dict() if windows else None
+        result["timings_total"] = gate_client.sum_timings(timed)
         rss = endpoint.peak_rss_mib()
         gpu = gpu_memory_mib(endpoint.process.pid if endpoint.process else None)
         result["memory"] = {
@@ -411,26 +359,83 @@ class ServerDied(RuntimeError):
 # ------------------------------------------------------------------------------------------ the whole run
 
 
-def _configs(options: GateOptions, notes: list[str]) -> list[tuple[str, str, str | None]]:
-    """(name, draft, lossy) of every embedded configuration; the baseline first."""
-    configs: list[tuple[str, str, str | None]] = [("baseline", "none", None)]
-    for draft in options.drafts:
-        if draft == "none":
-            continue
-        if draft == "default":
+def _profiles(options: GateOptions, notes: list[str]) -> list[launch.LaunchProfile]:
+    """Every configuration to launch, the baseline first; `--draft default` without a default draft is a note."""
+    profiles = launch.build_profiles(options.launch_options())
+    kept = []
+    for profile in profiles:
+        if profile.engine == "specgate" and profile.draft == "default":
             why = default_draft_unavailable(options.target)
             if why is not None:
-                notes.append(why)
+                if why not in notes:
+                    notes.append(why)
                 continue
-        configs.append((draft if "/" not in draft else Path(draft).name, draft, None))
-    if options.lossy:  # the LOSSY twin of the first speculative configuration (ngram if there is none)
-        name, draft = (configs[1][0], configs[1][1]) if len(configs) > 1 else ("ngram", "ngram")
-        configs.append((f"{name}-lossy-{options.lossy.split(':')[0]}", draft, options.lossy))
-    return configs
+        kept.append(profile)
+    return kept
+
+
+def _adaptive_profile(options: GateOptions, profiles: list[launch.LaunchProfile], results: dict[str, dict]) -> launch.LaunchProfile | None:
+    """specgate's adaptive policy on the fixed draft with the best throughput at the target concurrency."""
+    fixed = [p for p in profiles if p.engine == "specgate" and p.policy == "fixed" and not p.lossy and not results.get(p.name, {}).get("failure")]
+    if not options.adaptive or not fixed or any(p.policy == "adaptive" for p in profiles):
+        return None
+    best = max(fixed, key=lambda p: recommend.throughput(results[p.name], options.thresholds.target_concurrency) or 0.0)
+    o = options.launch_options()
+    gamma = max(max(options.gammas or [options.gamma]), 8 if options.gamma <= 8 else options.gamma)  # serve's default gamma_max is 8
+    name = f"{best.name.split('-g')[0]}-adaptive"
+    return launch.LaunchProfile(name, "specgate", launch.specgate_command(o, best.draft, "adaptive", gamma), f"adaptive:{best.draft}", gamma,
+                                "adaptive", draft=best.draft)
+
+
+class _Measurer:
+    """Starts each profile, measures it phase by phase, stops it; a server that fails to start is a failure entry."""
+
+    def __init__(self, options: GateOptions, plan: Plan, results: dict, records: list, progress: Any, after_phase: PhaseHook | None, log: Callable[[str], None]) -> None:
+        self.options, self.plan, self.results, self.records = options, plan, results, records
+        self.progress, self.after_phase, self.log = progress, after_phase, log
+        self.total = plan.total(options.concurrency, options.requests_per_level)
+
+    def measure(self, endpoint: Endpoint, meta: dict[str, Any]) -> None:
+        task = self.progress.add_task(f"{endpoint.name}", total=self.total) if self.progress else None
+        result = self.results.setdefault(endpoint.name, meta)
+        advance = (lambda n: self.progress.advance(task, n)) if self.progress else (lambda n: None)
+        asyncio.run(measure_config(endpoint, self.plan, self.options, result, self.records, advance=advance, after_phase=self.after_phase))
+        if self.progress:
+            self.progress.update(task, completed=self.total)
+
+    def launch(self, profile: launch.LaunchProfile) -> None:
+        meta = profile.meta()
+        self.log(f"starting {profile.name}: {profile.command()}")
+        start_s = time.perf_counter()
+        try:
+            endpoint = launch.start(profile, self.options.out)
+        except ServerStartError as exc:
+            self.results[profile.name] = {**meta, "failure": f"server did not start: {exc}"}
+            self.log(f"{profile.name}: {exc}")
+            return
+        meta["server"], meta["startup_s"] = endpoint.info, time.perf_counter() - start_s
+        if meta["engine"] == "unknown":  # a --server-cmd template: the server says what it is
+            meta["engine"] = launch.detect_engine(endpoint.url)
+        try:
+            self.measure(endpoint, meta)
+        finally:
+            endpoint.stop()
+
+
+def _measure_external(options: GateOptions, measurer: _Measurer, log: Callable[[str], None]) -> None:
+    metrics = options.metrics_urls + [None] * (2 - len(options.metrics_urls))
+    pairs = [("baseline", options.baseline_endpoint, metrics[1], "none"), ("speculative", options.endpoint, metrics[0], "external")]
+    for name, url, murl, draft in pairs:
+        url = url.rstrip("/")
+        engine = options.engine or launch.detect_engine(url)
+        log(f"measuring {name} at {url} ({engine})")
+        endpoint = Endpoint(name, url, murl or f"{url}/metrics")
+        measurer.measure(endpoint, {"name": name, "engine": engine, "draft": draft, "spec": draft, "gamma": options.gamma if draft != "none" else 0,
+                                    "url": url, "lossy": None, "policy": "engine", "command": None})
 
 
 def run_gate(options: GateOptions, *, progress: Any = None, after_phase: PhaseHook | None = None, log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Measure, score, decide and write the report; returns the report dict (also written as report.json)."""
+    """Measure, recommend, measure the recommendation, score, decide and write the report (also as report.json)."""
     from specgate.gate import report as gate_report
 
     options.validate()
@@ -440,47 +445,25 @@ def run_gate(options: GateOptions, *, progress: Any = None, after_phase: PhaseHo
     notes: list[str] = []
     results: dict[str, dict[str, Any]] = {}
     records: list[dict] = []
-    total = plan.total(options.concurrency, options.requests_per_level)
-
-    def measure(endpoint: Endpoint, meta: dict[str, Any]) -> None:
-        task = progress.add_task(f"{endpoint.name}", total=total) if progress else None
-        result = results.setdefault(endpoint.name, meta)
-        advance = (lambda n: progress.advance(task, n)) if progress else (lambda n: None)
-        asyncio.run(measure_config(endpoint, plan, options, result, records, advance=advance, after_phase=after_phase))
-        if progress:
-            progress.update(task, completed=total)
-
+    measurer = _Measurer(options, plan, results, records, progress, after_phase, log)
+    profiles: list[launch.LaunchProfile] = []
     if options.external:
-        metrics = options.metrics_urls + [None] * (2 - len(options.metrics_urls))
-        pairs = [("baseline", options.baseline_endpoint, metrics[1], "none"), ("speculative", options.endpoint, metrics[0], "external")]
-        for name, url, murl, draft in pairs:
-            url = url.rstrip("/")
-            log(f"measuring {name} at {url}")
-            endpoint = Endpoint(name, url, murl or f"{url}/metrics")
-            measure(endpoint, {"name": name, "draft": draft, "gamma": options.gamma if draft != "none" else 0, "url": url, "lossy": None})
+        _measure_external(options, measurer, log)
     else:
-        for name, draft, lossy in _configs(options, notes):
-            meta = {"name": name, "draft": draft, "gamma": 0 if draft == "none" else options.gamma, "lossy": lossy, "policy": "off" if draft == "none" else "fixed"}
-            log(f"starting `specgate serve --draft {draft}`" + (f" --lossy {lossy}" if lossy else "") + f" for {name}")
-            start_s = time.perf_counter()
-            try:
-                endpoint = start_embedded(name, options, draft, lossy)
-            except ServerStartError as exc:
-                results[name] = {**meta, "failure": f"server did not start: {exc}"}
-                if draft == "default":
-                    notes.append(f"the default draft is unavailable: {exc}; continuing with the other drafts")
-                    del results[name]
-                log(f"{name}: {exc}")
-                continue
-            meta["server"], meta["startup_s"] = endpoint.info, time.perf_counter() - start_s
-            try:
-                measure(endpoint, meta)
-            finally:
-                endpoint.stop()
+        profiles = _profiles(options, notes)
+        for profile in profiles:
+            measurer.launch(profile)
+        adaptive = _adaptive_profile(options, profiles, results)
+        if adaptive is not None:
+            profiles.append(adaptive)
+            measurer.launch(adaptive)
+    advice = recommend.recommend(options, plan, results, profiles)
+    if advice.profile is not None and options.recommend:
+        measurer.launch(advice.profile)
     scoring_start = time.perf_counter()
     scored = score_quality(options, plan, results, notes, log)
     scored["scoring_s"] = time.perf_counter() - scoring_start
-    report = gate_report.build_report(options, plan, results, scored, notes, wall_s=time.perf_counter() - started)
+    report = gate_report.build_report(options, plan, results, scored, notes, wall_s=time.perf_counter() - started, advice=advice)
     gate_report.write_outputs(out, report, records)
     return report
 
@@ -498,7 +481,9 @@ def score_quality(options: GateOptions, plan: Plan, results: dict[str, dict], no
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_dtype(options.dtype)]
         log(f"scoring with the target {options.target} in this process")
-        scorer = quality.TargetScorer(load_model(options.target, dtype=dtype))
+        loaded = load_model(options.target, dtype=dtype)
+        scorer = quality.TargetScorer(loaded)
+        scored["tokenizer"] = loaded.tokenizer  # token positions of greedy mismatches
     except (FileNotFoundError, ValueError, OSError) as exc:
         notes.append(f"target scoring unavailable ({exc}): give --target with local weights for perplexity and the log-likelihood test")
         return scored
