@@ -99,6 +99,7 @@ def test_gate_launches_llamacpp_profiles_and_reports_what_it_measured(llama_serv
     report = json.loads((out / "report.json").read_text())
     name = "ngram-simple-g8"
     config, measured = report["configs"][name], report["measurements"][name]
+    assert report["engine"] == "llama.cpp"
     assert config["engine"] == "llama.cpp" and "--spec-type ngram-simple --spec-ngram-simple-size-m 8" in config["command"]
     assert not measured.get("failure") and [p["name"] for p in measured["phases"]][-1] == "sample"
     acceptance = config["acceptance"]
@@ -107,7 +108,7 @@ def test_gate_launches_llamacpp_profiles_and_reports_what_it_measured(llama_serv
     assert acceptance["ar"] == pytest.approx(timed["accepted_tokens"] / timed["draft_tokens"])  # counters == timings
     greedy = report["quality"][name]["greedy"]
     assert greedy["pairs"] == 4  # one prompt per category, 128 tokens each (the default greedy length)
-    assert all(len(t) > 200 for t in report["measurements"]["baseline"]["greedy"].values())
+    assert report["options"]["greedy_tokens"] == 128 and all(report["measurements"]["baseline"]["greedy"].values())
     for m in greedy["mismatches"]:  # llama.cpp's batched verification is not batch-invariant: divergences are shown
         assert m["first_diff_char"] >= 0 and m["baseline"] != m["speculative"] and isinstance(m["context"], str)
     lossless = {c["name"]: c for c in config["criteria"]}["lossless"]

@@ -63,7 +63,7 @@ def test_embedded_report_structure_and_files(embedded_run):
     report, options, _, draft_name = embedded_run
     out = Path(options.out)
     on_disk = json.loads((out / "report.json").read_text())
-    assert on_disk["verdict"] == report["verdict"] == report["recommendation"]["verdict"]
+    assert on_disk["verdict"] == report["verdict"] == report["recommendation"]["verdict"] and report["engine"] == "specgate"
     assert on_disk["criteria"] and all(set(c) == {"name", "value", "threshold", "pass", "reason", "binding"} for c in on_disk["criteria"])
     measured = {draft_name, "ngram", f"{draft_name}-lossy-synthetic", f"{draft_name}-adaptive"}  # ngram died: adaptive on the draft
     assert measured <= set(report["configs"]) <= measured | {"recommended"}

@@ -96,7 +96,7 @@ def build_report(options: Any, plan: Any, results: dict[str, dict], scored: dict
         for key in ("greedy", "math_outputs", "samples"):
             result.setdefault(key, {})
     return {
-        "verdict": recommendation["verdict"], "config": headline, "recommendation": recommendation, "criteria": criteria,
+        "verdict": recommendation["verdict"], "engine": baseline.get("engine") or recommendation["engine"], "config": headline, "recommendation": recommendation, "criteria": criteria,
         "configs": configs, "quality": quality_all, "perplexity": scored.get("perplexity"), "notes": notes,
         "measurements": results, "thresholds": decision.thresholds_dict(options.thresholds),
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(options).items() if k != "thresholds"},
