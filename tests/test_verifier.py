@@ -132,15 +132,27 @@ def test_zero_drafts_is_plain_target_sampling():
     assert out.num_accepted.tolist() == [0, 0, 0]
 
 
+RESIDUAL_SIGNIFICANCE = 1e-6  # chance that a correct sampler's count falls outside the interval (two-sided)
+
+
 def test_rejection_emits_from_residual_and_stops():
-    # p = [0.5, 0.5, 0], q = [0, 0, 1] at position 0: the draft 2 has p = 0, always rejected; residual = p.
-    target_probs = torch.tensor([[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]]).repeat(400, 1, 1)
-    draft_probs = torch.tensor([[[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]]).repeat(400, 1, 1)
-    draft_tokens = torch.full((400, 2), 2)
-    out = rejection_sample(draft_tokens, torch.full((400,), 2), draft_probs, target_probs, torch.Generator().manual_seed(0))
+    """p = [0.75, 0.25, 0], q = [0, 0, 1] at position 0: the draft 2 has p = 0, always rejected; residual = p. Over
+    n rows the count of token 0 is Binomial(n, 0.75): it must lie in the central 1 - 1e-6 interval. Negative
+    controls: the same interval excludes a uniform residual (0.5) and p read the wrong way round (0.25)."""
+    from scipy.stats import binom
+
+    n = 4000
+    target_probs = torch.tensor([[[0.75, 0.25, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]]).repeat(n, 1, 1)
+    draft_probs = torch.tensor([[[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]]).repeat(n, 1, 1)
+    draft_tokens = torch.full((n, 2), 2)
+    out = rejection_sample(draft_tokens, torch.full((n,), 2), draft_probs, target_probs, torch.Generator().manual_seed(0))
     assert (out.num_accepted == 0).all()
     assert set(out.output_tokens[:, 0].tolist()) == {0, 1}
     assert (out.output_tokens[:, 1:] == -1).all()
+    low, high = binom.interval(1 - RESIDUAL_SIGNIFICANCE, n, 0.75)  # about 3000 +- 134
+    zeros = int((out.output_tokens[:, 0] == 0).sum())
+    assert low <= zeros <= high, (zeros, low, high)
+    assert all(not low <= n * wrong <= high for wrong in (0.5, 0.25))  # the interval can tell the wrong residuals apart
 
 
 def test_vocab_boundary_tokens():
