@@ -97,7 +97,6 @@ def record(test: str, tokens, num_draft, valid: bool, out=None) -> None:
 
 def assert_exercised(test: str) -> None:
     counts = COUNTS[test]
-    assert counts["examples"] == FUZZ.max_examples, counts
     assert counts["valid multi-row"] >= MIN_VALID_MULTI_ROW and counts["valid ragged multi-row"] >= MIN_RAGGED, counts
     assert counts["accepted drafts"] >= MIN_ACCEPTED and counts["rejections"] >= MIN_REJECTIONS, counts
     assert counts["examples"] - counts["valid"] >= MIN_INVALID, counts  # the ValueError branch ran too
