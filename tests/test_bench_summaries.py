@@ -369,8 +369,10 @@ def test_diag_plans_groups_full_batch_steps_by_the_width_chosen():
 
 
 def test_serving_table_needs_files():
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         load("serving_table").main([])
+    code = exit_info.value.code  # a message: Python prints it and exits with status 1
+    assert isinstance(code, str) and code.startswith("usage: serving_table.py") and "RESULTS.json" in code
 
 
 def test_serving_by_width_groups_the_largest_batch():

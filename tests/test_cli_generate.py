@@ -13,14 +13,30 @@ runner = CliRunner()
 
 
 def test_json_on_a_tiny_model(tiny_model_dir, tmp_path):
+    """Greedy (the default) n-gram speculation emits exactly the target's greedy tokens: the same command with
+    speculation off, and transformers' own greedy generate on the same checkpoint, prompt and dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = str(tiny_model_dir("llama"))
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("hello hello hello", encoding="utf-8")
-    args = ["generate", "--target", str(tiny_model_dir("llama")), "--draft", "ngram", "--gamma", "3",
-            "--max-new-tokens", "12", "--seed", "1", "--prompt-file", str(prompt_file), "--json"]
-    result = runner.invoke(app, args)
+    common = ["generate", "--target", model_dir, "--max-new-tokens", "12", "--seed", "1", "--dtype", "float32",
+              "--prompt-file", str(prompt_file), "--json"]
+    result = runner.invoke(app, [*common, "--draft", "ngram", "--gamma", "3"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert set(out) == {"tokens", "text", "stats"}
+    off = runner.invoke(app, [*common, "--draft", "none", "--gamma", "0"])
+    assert off.exit_code == 0, off.output
+    baseline = json.loads(off.stdout)
+    assert baseline["stats"]["drafted_tokens"] == 0 and out["stats"]["drafted_tokens"] > 0
+    assert out["tokens"] == baseline["tokens"] and out["text"] == baseline["text"]
+    ids = AutoTokenizer.from_pretrained(model_dir)("hello hello hello", return_tensors="pt")["input_ids"]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        greedy = reference.generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1] :].tolist()
+    assert out["tokens"] == greedy
     assert len(out["tokens"]) == out["stats"]["new_tokens"] <= 12
     for key in ("iterations", "draft_forward_passes", "target_forward_passes", "drafted_tokens", "accepted_tokens",
                 "accepted_per_position", "acceptance_rate", "acceptance_length", "draft_ms_per_step",

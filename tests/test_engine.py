@@ -119,7 +119,14 @@ def test_stats_add_up_and_seeds_reproduce(target, draft):
     assert math.isclose(stats.acceptance_length, (stats.accepted_tokens + stats.iterations) / stats.iterations)
     assert math.isclose(stats.acceptance_rate, stats.accepted_tokens / stats.drafted_tokens)
     assert stats.new_tokens == len(runs[0].tokens) == 40 <= stats.accepted_tokens + stats.iterations
-    assert 0 <= stats.measured_alpha <= 1 and stats.measured_c > 0 and stats.predicted_speedup > 0
+    # alpha: accepted over tested drafts (testing stops at a rejection); c: ms per draft over ms per target step
+    alpha, gamma, c = stats.measured_alpha, stats.gamma, stats.measured_c
+    assert gamma == 4 and 0 < stats.rejections <= stats.iterations
+    assert math.isclose(alpha, stats.accepted_tokens / (stats.accepted_tokens + stats.rejections)) and 0 < alpha < 1
+    assert math.isclose(c, (stats.draft_ms_total / stats.drafted_tokens) / (stats.verify_ms_total / stats.iterations)) and c > 0
+    # Leviathan's closed form, written out here: E[T] = (1 - a^(g+1)) / (1 - a), S = E[T] / (g c + 1)
+    expected_tokens = (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    assert math.isclose(stats.predicted_speedup, expected_tokens / (gamma * c + 1), rel_tol=1e-12)
     assert stats.lossless and stats.wall_s > 0 and stats.tokens_per_s > 0
     json.dumps(runs[0].to_dict())  # JSON-ready
 

@@ -2,6 +2,10 @@
 
 Inputs are drawn over ragged shapes (B 0..3, G 0..3, V 1..9), draft counts and token ids that may be out of
 range, and probability / logit rows that are valid, have zeros, are unnormalised, negative, NaN or infinite.
+Half the examples are drawn valid by construction instead (B 2..4 ragged rows, G 1..3, V 2..9, every count,
+token and row within the contract), since a random mix of the above is valid mostly at B 0..1. Each fuzz test
+counts what it exercised (COUNTS, and hypothesis events) and asserts a minimum of valid multi-row batches, of
+accepted drafts and of rejections compared with the oracle.
 The contract (specgate.sampling.verifier) decides, independently of the code under test, whether the input
 is valid. Invalid input must raise ValueError (any other exception, or no exception, fails). Valid input must
 give exactly the loop oracle's output (sampling.reference, the same random draws) and satisfy the invariants:
@@ -12,11 +16,12 @@ and has positive probability where it was drawn from, and -1 pads the rest. Gree
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from specgate.sampling import PROB_SUM_TOLERANCE, SamplingParams, greedy_verify, logits_to_probs, rejection_sample, verify
@@ -61,24 +66,71 @@ def logit_row(kind: str, vocab: int, rng: np.random.Generator) -> np.ndarray:
     return row
 
 
+VALID_PROB_KINDS = ("valid", "zeros", "one_hot")
+VALID_LOGIT_KINDS = ("finite", "masked")
+# Floors on what each fuzz test must have exercised, as fractions of its examples. Half the examples are built
+# valid with >= 2 rows drafting (hypothesis draws fewer of them at the default 150: 65-77 measured); the floors
+# sit at about half the measured counts, so a strategy that slid back to tiny batches fails.
+MIN_VALID_MULTI_ROW = FUZZ.max_examples // 5
+MIN_RAGGED = MIN_ACCEPTED = MIN_REJECTIONS = MIN_INVALID = FUZZ.max_examples // 10
+COUNTS: dict[str, Counter] = {}
+
+
+def record(test: str, tokens, num_draft, valid: bool, out=None) -> None:
+    """Count one example: valid or not, a valid batch with >= 2 rows that draft (ragged or not), and the drafts
+    accepted and the rows rejected in valid batches (these were compared with the oracle)."""
+    counts = COUNTS.setdefault(test, Counter())
+    counts["examples"] += 1
+    if not valid:
+        return
+    counts["valid"] += 1
+    drafting = [int(n) for n in num_draft.tolist() if n > 0]
+    if len(drafting) >= 2:
+        counts["valid multi-row"] += 1
+        event("valid batch, >= 2 rows drafting")
+        if len(set(num_draft.tolist())) > 1:
+            counts["valid ragged multi-row"] += 1
+    if out is not None:
+        counts["accepted drafts"] += int(out.num_accepted.sum())
+        counts["rejections"] += int((out.num_accepted < num_draft).sum())
+
+
+def assert_exercised(test: str) -> None:
+    counts = COUNTS[test]
+    assert counts["valid multi-row"] >= MIN_VALID_MULTI_ROW and counts["valid ragged multi-row"] >= MIN_RAGGED, counts
+    assert counts["accepted drafts"] >= MIN_ACCEPTED and counts["rejections"] >= MIN_REJECTIONS, counts
+    assert counts["examples"] - counts["valid"] >= MIN_INVALID, counts  # the ValueError branch ran too
+
+
 def good_probs(row: np.ndarray) -> bool:
     return bool(not np.isnan(row).any() and row.min() >= 0 and abs(row.sum() - 1.0) <= PROB_SUM_TOLERANCE)
 
 
 @st.composite
 def batches(draw, logits: bool = False):
-    """(draft_tokens [B, G], num_draft_tokens [B], draft_probs [B, G, V] | None, rows [B, G+1, V], seed)."""
-    batch, gamma, vocab = draw(st.integers(0, 3)), draw(st.integers(0, 3)), draw(st.integers(1, 9))
-    num_draft = [draw(st.integers(-1, gamma + 1)) if draw(st.integers(0, 9)) == 0 else draw(st.integers(0, gamma)) for _ in range(batch)]
-    tokens = [[draw(st.integers(-2, vocab + 1)) if draw(st.integers(0, 9)) == 0 else draw(st.integers(0, vocab - 1)) for _ in range(gamma)] for _ in range(batch)]
+    """(draft_tokens [B, G], num_draft_tokens [B], draft_probs [B, G, V] | None, rows [B, G+1, V], seed).
+
+    Half the examples (valid_by_construction) are ragged multi-row batches inside the contract; the others mix
+    valid and invalid counts, tokens and rows freely."""
+    valid_by_construction = draw(st.booleans())
+    if valid_by_construction:
+        batch, gamma, vocab = draw(st.integers(2, 4)), draw(st.integers(1, 3)), draw(st.integers(2, 9))
+        num_draft = [gamma, draw(st.integers(1, gamma))] + [draw(st.integers(0, gamma)) for _ in range(batch - 2)]  # >= 2 rows draft
+        num_draft = draw(st.permutations(num_draft))
+        tokens = [[draw(st.integers(0, vocab - 1)) for _ in range(gamma)] for _ in range(batch)]
+        kinds, draft_kinds = (VALID_LOGIT_KINDS if logits else VALID_PROB_KINDS), VALID_PROB_KINDS
+    else:
+        batch, gamma, vocab = draw(st.integers(0, 3)), draw(st.integers(0, 3)), draw(st.integers(1, 9))
+        num_draft = [draw(st.integers(-1, gamma + 1)) if draw(st.integers(0, 9)) == 0 else draw(st.integers(0, gamma)) for _ in range(batch)]
+        tokens = [[draw(st.integers(-2, vocab + 1)) if draw(st.integers(0, 9)) == 0 else draw(st.integers(0, vocab - 1)) for _ in range(gamma)] for _ in range(batch)]
+        kinds, draft_kinds = (LOGIT_KINDS if logits else PROB_KINDS), PROB_KINDS
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)
-    kinds = LOGIT_KINDS if logits else PROB_KINDS
     make = logit_row if logits else prob_row
     rows = np.stack([np.stack([make(draw(st.sampled_from(kinds)), vocab, rng) for _ in range(gamma + 1)]) for _ in range(batch)]) if batch else np.zeros((0, gamma + 1, vocab))
     draft_probs = None
     if draw(st.booleans()):
-        draft_probs = np.stack([np.stack([prob_row(draw(st.sampled_from(PROB_KINDS)), vocab, rng) for _ in range(gamma)]) for _ in range(batch)]) if batch and gamma else np.zeros((batch, gamma, vocab))
+        draft_probs = np.stack([np.stack([prob_row(draw(st.sampled_from(draft_kinds)), vocab, rng) for _ in range(gamma)]) for _ in range(batch)]) if batch and gamma else np.zeros((batch, gamma, vocab))
     return (
         torch.tensor(tokens, dtype=torch.int64).reshape(batch, gamma),
         torch.tensor(num_draft, dtype=torch.int64),
@@ -126,16 +178,18 @@ def check_invariants(out, tokens, num_draft, vocab: int, emitted_from) -> None:
 
 @FUZZ
 @given(batches())
-def test_rejection_sample_raises_value_error_or_matches_the_oracle(case):
+def fuzz_rejection_sample(case):
     tokens, num_draft, draft_probs, target_probs, seed = case
     valid = contract_valid(tokens, num_draft, draft_probs, target_probs, logits=False)
     if not valid:
         with pytest.raises(ValueError):
             rejection_sample(tokens, num_draft, draft_probs, target_probs, generators(seed, tokens.shape[0]))
+        record("rejection_sample", tokens, num_draft, valid)
         return
     out = rejection_sample(tokens, num_draft, draft_probs, target_probs, generators(seed, tokens.shape[0]))
     oracle = reference_rejection_sample(tokens, num_draft, draft_probs, target_probs, generators(seed, tokens.shape[0]))
     assert torch.equal(out.output_tokens, oracle.output_tokens) and torch.equal(out.num_accepted, oracle.num_accepted)
+    record("rejection_sample", tokens, num_draft, valid, out)
 
     def drawn_with(b: int, i: int, token: int) -> float:
         p = target_probs[b, i]
@@ -150,24 +204,38 @@ def test_rejection_sample_raises_value_error_or_matches_the_oracle(case):
     check_invariants(out, tokens, num_draft, target_probs.shape[-1], drawn_with)
 
 
+def test_rejection_sample_raises_value_error_or_matches_the_oracle():
+    COUNTS.pop("rejection_sample", None)
+    fuzz_rejection_sample()
+    assert_exercised("rejection_sample")
+
+
 @FUZZ
 @given(batches(logits=True))
-def test_greedy_verify_raises_value_error_or_emits_the_argmax_chain(case):
+def fuzz_greedy_verify(case):
     tokens, num_draft, _, target_logits, _ = case
     if not contract_valid(tokens, num_draft, None, target_logits, logits=True):
         with pytest.raises(ValueError):
             greedy_verify(tokens, num_draft, target_logits)
+        record("greedy_verify", tokens, num_draft, False)
         return
     out = greedy_verify(tokens, num_draft, target_logits)
     oracle = reference_greedy_verify(tokens, num_draft, target_logits)
     assert torch.equal(out.output_tokens, oracle.output_tokens) and torch.equal(out.num_accepted, oracle.num_accepted)
     argmax = target_logits.argmax(-1)  # [B, G+1]
     check_invariants(out, tokens, num_draft, target_logits.shape[-1], lambda b, i, t: float(t == int(argmax[b, i])))
+    record("greedy_verify", tokens, num_draft, True, out)
+
+
+def test_greedy_verify_raises_value_error_or_emits_the_argmax_chain():
+    COUNTS.pop("greedy_verify", None)
+    fuzz_greedy_verify()
+    assert_exercised("greedy_verify")
 
 
 @FUZZ
 @given(batches(logits=True), st.sampled_from([(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 2, 1.0), (1.0, 0, 0.8)]))
-def test_verify_from_logits_raises_value_error_or_gives_a_valid_result(case, sampling):
+def fuzz_verify_from_logits(case, sampling):
     tokens, num_draft, draft_probs, target_logits, seed = case
     params = SamplingParams(*sampling)
     if draft_probs is not None:  # q must be processed like p: build it from logits with the same params
@@ -176,6 +244,7 @@ def test_verify_from_logits_raises_value_error_or_gives_a_valid_result(case, sam
     if not contract_valid(tokens, num_draft, None, target_logits, logits=True):
         with pytest.raises(ValueError):
             verify(tokens, num_draft, draft_probs, target_logits, params, generators(seed, tokens.shape[0]))
+        record("verify", tokens, num_draft, False)
         return
     out = verify(tokens, num_draft, draft_probs, target_logits, params, generators(seed, tokens.shape[0]))
     probs = logits_to_probs(target_logits, params)  # [B, G+1, V]
@@ -183,6 +252,16 @@ def test_verify_from_logits_raises_value_error_or_gives_a_valid_result(case, sam
     check_invariants(out, tokens, num_draft, target_logits.shape[-1], lambda b, i, t: float(probs[b, i, t]) + float(params.greedy))
     if params.greedy:
         assert torch.equal(out.output_tokens, reference_greedy_verify(tokens, num_draft, target_logits).output_tokens)
+    else:  # the same draws through the loop oracle on the processed probabilities
+        oracle = reference_rejection_sample(tokens, num_draft, draft_probs, probs, generators(seed, tokens.shape[0]))
+        assert torch.equal(out.output_tokens, oracle.output_tokens) and torch.equal(out.num_accepted, oracle.num_accepted)
+    record("verify", tokens, num_draft, True, out)
+
+
+def test_verify_from_logits_raises_value_error_or_gives_a_valid_result():
+    COUNTS.pop("verify", None)
+    fuzz_verify_from_logits()
+    assert_exercised("verify")
 
 
 @FUZZ

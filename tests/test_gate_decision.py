@@ -81,6 +81,7 @@ def test_each_criterion_fails_alone(name):
     target = {v: k for k, v in decision.TARGETS.items()}.get(name)
     assert verdict == ("GO" if target else "NO-GO")
     assert by_name[name].binding is (target is None)
+    assert verdict == ("GO" if all(c.passed for c in by_name.values() if c.binding) else "NO-GO")  # the rule itself
     if target:
         baseline, spec, q, t = _break(name, copy.deepcopy(good_run()))
         t.require = (target,)

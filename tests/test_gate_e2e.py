@@ -185,6 +185,15 @@ def test_external_mode_cli_against_in_process_servers(tiny_model_dir, tmp_path):
     assert set(summary) >= {"verdict", "config", "criteria", "configs", "report", "notes"}
     assert (result.return_value or 0) == (0 if summary["verdict"] == "GO" else 1)
     report = json.loads(Path(summary["report"]["json"]).read_text())
+    for name, config in report["configs"].items():  # each verdict is the rule applied to its own criteria
+        expected = "GO" if all(c["pass"] for c in config["criteria"] if c["binding"]) else "NO-GO"
+        assert config["verdict"] == summary["configs"][name] == expected, name
+    recommended = summary["recommendation"]
+    if recommended["kind"] == "off":  # no speculation is recommended: NO-GO whatever the criteria of the rest
+        assert summary["verdict"] == "NO-GO"
+    else:  # the recommended config's own binding criteria decide, and they are the summary's criteria
+        assert summary["criteria"] == report["configs"][recommended["config"]]["criteria"]
+        assert summary["verdict"] == ("GO" if all(c["pass"] for c in summary["criteria"] if c["binding"]) else "NO-GO")
     assert report["configs"]["speculative"]["engine"] == "specgate"  # read from the server's /v1/models
     rec = report["recommendation"]
     assert rec["measured"] and (rec["config"], rec["kind"]) in {("speculative", "config"), ("off", "off")}

@@ -27,10 +27,32 @@ def test_default_dtype_follows_the_cpu_flags():
     assert default_dtype(frozenset({"avx", "avx2", "fma"})) == torch.bfloat16  # the native kernel widens bf16 weights
     assert default_dtype(frozenset({"avx", "avx2"})) == torch.float32  # no FMA: no kernel, no native bf16
     assert default_dtype(frozenset()) == torch.float32
-    assert default_dtype() == (torch.bfloat16 if native_bf16() or native.available() else torch.float32)
-    assert resolve_dtype("auto") == default_dtype()
     assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bfloat16") == torch.bfloat16
     assert DTYPE_CHOICES == ("auto", "float32", "bfloat16")
+
+
+@pytest.mark.parametrize(
+    "flags, kernel_built, expected",
+    [
+        ({"avx2", "avx512f", "avx512_bf16"}, False, torch.bfloat16),  # native bf16 dot products need no kernel
+        ({"avx2", "amx_bf16", "amx_tile"}, False, torch.bfloat16),
+        ({"avx", "avx2", "fma"}, True, torch.bfloat16),  # the kernel widens bf16 weights
+        ({"avx", "avx2", "fma"}, False, torch.float32),  # AVX2 + FMA but no compiler (or SPECGATE_NATIVE=0): no kernel
+        ({"avx", "avx2"}, False, torch.float32),
+        (set(), False, torch.float32),
+    ],
+)
+def test_default_dtype_of_this_machine_follows_its_flags_and_kernel(monkeypatch, flags, kernel_built, expected):
+    """default_dtype() with no flags reads the machine: /proc/cpuinfo's flags and whether the native kernel loaded.
+    Both facts are fixed here, and the expected dtype is written out, not recomputed by the rule under test."""
+    from specgate.models import dtypes
+
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(native, "available", lambda: kernel_built)
+    assert native_bf16() == bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert default_dtype() == expected and resolve_dtype("auto") == expected
+    with pytest.raises(ValueError, match=f"auto = {str(expected).removeprefix('torch.')} on this CPU"):
+        resolve_dtype("float16")
 
 
 def test_resolve_dtype_names_the_bad_value():

@@ -55,6 +55,13 @@ def brute_force_goodput(cost: CostModel, rates: list[list[float]], gammas: tuple
     return tokens / (drafts_ms + cost.target_step_ms(len(rates), width + 1, len(rates) + sum(gammas) if real else None))
 
 
+def oracle_goodput(cost: CostModel, acceptance: list, gammas, gamma_max: int = 8) -> float:
+    """brute_force_goodput (the padded price, the policy's default) for the policy's inputs: one alpha per request
+    is that rate at every position, one int gamma is shared by every request."""
+    rates = [[float(a)] * gamma_max if np.ndim(a) == 0 else list(a) for a in acceptance]
+    return brute_force_goodput(cost, rates, tuple([gammas] * len(rates) if isinstance(gammas, int) else gammas))
+
+
 def test_adaptive_speculates_alone_and_stops_under_heavy_batch_cost():
     cheap_alone = CostModel(ANCHOR_MS)  # n-gram drafts: no draft cost
     policy = AdaptivePolicy(cheap_alone, gamma_max=8)
@@ -150,7 +157,7 @@ def test_ragged_steps_are_priced_by_their_real_tokens():
 def test_margin_holds_the_incumbent_width_of_near_equal_plans():
     """A flat optimum (batch 16, a high-acceptance profile: gamma 3..8 within a few % of each other): the first
     step takes the best plan; a width within the margin of the best is held step after step (no flapping on
-    noise) and costs at most the margin by the policy's own model; a width that falls out of the margin (the
+    noise) and costs at most the margin by the brute-force oracle; a width that falls out of the margin (the
     profile drops) is left for the best."""
     cost = CostModel({(1, 1): 72, (1, 9): 111, (16, 1): 152, (16, 2): 221, (16, 3): 293, (16, 5): 424, (16, 9): 674,
                       (1, 2): 91, (1, 3): 91, (1, 5): 98})
@@ -158,13 +165,14 @@ def test_margin_holds_the_incumbent_width_of_near_equal_plans():
     policy = AdaptivePolicy(cost, gamma_max=8, margin=0.04)
     assert policy.choose([profile] * 16) == [8] * 16 and policy.incumbent == 8  # the argmax, by a hair
     policy.incumbent = 4  # say noise had moved it to 4: within 4% of gamma 8 here, so it is held
-    strict = AdaptivePolicy(cost, gamma_max=8, margin=0.0)
-    assert strict.goodput([profile] * 16, 4) >= 0.96 * strict.goodput([profile] * 16, 8)
+    by_width = {g: oracle_goodput(cost, [profile] * 16, g) for g in range(9)}
+    assert max(by_width, key=by_width.get) == 8 and by_width[4] >= 0.96 * by_width[8]
     for _ in range(3):
         assert policy.choose([profile] * 16) == [4] * 16
     poor = [0.3] * 8  # acceptance collapses: gamma 4 is far from the best now, which is 0 (or 1)
     chosen = policy.choose([poor] * 16)
-    assert max(chosen) < 4 and policy.goodput([poor] * 16, chosen) >= strict.goodput([poor] * 16, strict.choose([poor] * 16)) * (1 - 1e-9)
+    best_poor = max(oracle_goodput(cost, [poor] * 16, g) for g in range(9))  # free drafts: a shared width is best
+    assert max(chosen) < 4 and oracle_goodput(cost, [poor] * 16, chosen) >= best_poor * (1 - 1e-9)
     assert AdaptivePolicy(cost, gamma_max=8, margin=0.04).choose([profile]) == [8]  # batch 1: gamma 8 wins clearly
     with pytest.raises(ValueError, match="margin=0.5"):
         AdaptivePolicy(cost, margin=0.5)
@@ -176,7 +184,7 @@ def test_the_incumbent_removes_the_narrow_bias_at_concurrency_1():
     cost = CostModel({(1, 1): 50.0, (1, 2): 52.0, (1, 3): 54.0, (1, 5): 57.0, (1, 9): 57.5})
     profile = [0.9] * 4 + [0.5] * 4  # later drafts add little, the wider passes cost little more
     policy = AdaptivePolicy(cost, gamma_max=8, margin=0.03)
-    goodput = {g: policy.goodput([profile], g) for g in range(9)}
+    goodput = {g: oracle_goodput(cost, [profile], g) for g in range(9)}
     best = max(goodput, key=goodput.get)
     assert best == 8 and any(goodput[g] >= goodput[8] * 0.97 for g in range(1, 8))  # narrower plans inside the margin
     assert [policy.choose([profile])[0] for _ in range(5)] == [8] * 5
@@ -190,8 +198,11 @@ def test_adaptive_gives_drafts_per_request():
     alphas = [0.9] * 4 + [0.05] * 4
     gammas = policy.choose(alphas)
     assert all(g > 0 for g in gammas[:4]) and gammas[4:] == [0] * 4
-    shared = max(policy.goodput(alphas, g) for g in range(9))
-    assert policy.goodput(alphas, gammas) > shared * 1.01
+    shared = max(oracle_goodput(cost, alphas, g) for g in range(9))
+    assert oracle_goodput(cost, alphas, gammas) > shared * 1.01
+    # and it is the best of the plans that give one gamma to the good requests and one to the poor ones
+    grouped = max(oracle_goodput(cost, alphas, [good] * 4 + [poor] * 4) for good in range(9) for poor in range(9))
+    assert oracle_goodput(cost, alphas, gammas) >= grouped * (1 - 1e-9)
     # free lookup drafts: once the width is paid for, every request with drafts available uses them
     lookup = AdaptivePolicy(CostModel(ANCHOR_MS), gamma_max=8, margin=0.0)
     gammas = lookup.choose([0.9, 0.9, 0.3], caps=[8, 1, 8])
@@ -207,7 +218,9 @@ def test_adaptive_values_long_drafts_when_acceptance_is_not_geometric():
     policy = AdaptivePolicy(CostModel(ANCHOR_MS), gamma_max=8)
     assert policy.choose([profile]) == [8]
     assert policy.choose([0.6])[0] < 8  # one alpha (the AR) prices drafts 5..8 at 0.6^k
-    assert policy.goodput([profile], 8) > policy.goodput([profile], policy.choose([0.6])[0])
+    cost = policy.cost_model
+    assert [int(np.argmax([oracle_goodput(cost, [a], g) for g in range(9)])) for a in (profile, 0.6)] == [8, policy.choose([0.6])[0]]
+    assert oracle_goodput(cost, [profile], 8) > oracle_goodput(cost, [profile], policy.choose([0.6])[0])
 
 
 def test_acceptance_stats_per_position():

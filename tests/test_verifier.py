@@ -132,15 +132,27 @@ def test_zero_drafts_is_plain_target_sampling():
     assert out.num_accepted.tolist() == [0, 0, 0]
 
 
+RESIDUAL_SIGNIFICANCE = 1e-6  # chance that a correct sampler's count falls outside the interval (two-sided)
+
+
 def test_rejection_emits_from_residual_and_stops():
-    # p = [0.5, 0.5, 0], q = [0, 0, 1] at position 0: the draft 2 has p = 0, always rejected; residual = p.
-    target_probs = torch.tensor([[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]]).repeat(400, 1, 1)
-    draft_probs = torch.tensor([[[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]]).repeat(400, 1, 1)
-    draft_tokens = torch.full((400, 2), 2)
-    out = rejection_sample(draft_tokens, torch.full((400,), 2), draft_probs, target_probs, torch.Generator().manual_seed(0))
+    """p = [0.75, 0.25, 0], q = [0, 0, 1] at position 0: the draft 2 has p = 0, always rejected; residual = p. Over
+    n rows the count of token 0 is Binomial(n, 0.75): it must lie in the central 1 - 1e-6 interval. Negative
+    controls: the same interval excludes a uniform residual (0.5) and p read the wrong way round (0.25)."""
+    from scipy.stats import binom
+
+    n = 4000
+    target_probs = torch.tensor([[[0.75, 0.25, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]]).repeat(n, 1, 1)
+    draft_probs = torch.tensor([[[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]]).repeat(n, 1, 1)
+    draft_tokens = torch.full((n, 2), 2)
+    out = rejection_sample(draft_tokens, torch.full((n,), 2), draft_probs, target_probs, torch.Generator().manual_seed(0))
     assert (out.num_accepted == 0).all()
     assert set(out.output_tokens[:, 0].tolist()) == {0, 1}
     assert (out.output_tokens[:, 1:] == -1).all()
+    low, high = binom.interval(1 - RESIDUAL_SIGNIFICANCE, n, 0.75)  # about 3000 +- 134
+    zeros = int((out.output_tokens[:, 0] == 0).sum())
+    assert low <= zeros <= high, (zeros, low, high)
+    assert all(not low <= n * wrong <= high for wrong in (0.5, 0.25))  # the interval can tell the wrong residuals apart
 
 
 def test_vocab_boundary_tokens():
@@ -309,6 +321,97 @@ def test_lossy_modes_are_labelled_and_keep_the_layout(mode):
     logits = inputs[3].clamp(min=1e-9).log()
     via_verify = verify(inputs[0], inputs[1], inputs[2], logits, SamplingParams(), generators(1, 10), lossy=mode)
     assert via_verify.lossless is False
+
+
+def one_draft_rows(p, token, n, q_token=None):
+    """n rows of one draft `token` at a position whose target distribution is p (the bonus position too), q the
+    one-hot of q_token (default: the draft itself): inputs for LossyMode.verify."""
+    vocab = len(p)
+    target_probs = torch.tensor([p, p], dtype=torch.float32).expand(n, 2, vocab).contiguous()  # [n, 2, V]
+    draft_probs = torch.zeros(n, 1, vocab)  # [n, 1, V]
+    draft_probs[:, 0, token if q_token is None else q_token] = 1.0
+    return torch.full((n, 1), token), torch.ones(n, dtype=torch.int64), draft_probs, target_probs
+
+
+def entropy(p):
+    return -sum(x * math.log(x) for x in p if x > 0)
+
+
+# (eps, delta, p, draft token, accepted?) with the threshold min(eps, delta exp(-H(p))) worked out by hand
+TYPICAL_CASES = [
+    # H = 0.596 nats, 0.3 exp(-H) = 0.165 > eps: the threshold is eps = 0.09
+    (0.09, 0.3, [0.82, 0.091, 0.089, 0.0], 0, True),
+    (0.09, 0.3, [0.82, 0.091, 0.089, 0.0], 1, True),  # 0.091 > 0.09
+    (0.09, 0.3, [0.82, 0.091, 0.089, 0.0], 2, False),  # 0.089 < 0.09
+    (0.09, 0.3, [0.82, 0.091, 0.089, 0.0], 3, False),  # p = 0
+    # uniform over 20: H = ln 20, 0.3 / 20 = 0.015 < eps: a token of 0.05 (< eps) is accepted
+    (0.09, 0.3, [0.05] * 20, 7, True),
+    # eps 1 leaves the entropy term: H([0.5, 0.3, 0.2]) = 1.0297, exp(-H) = 0.3571
+    (1.0, 0.7, [0.5, 0.3, 0.2], 1, True),  # threshold 0.250 < 0.3
+    (1.0, 0.7, [0.5, 0.3, 0.2], 2, False),  # 0.2 < 0.250
+    (1.0, 0.9, [0.5, 0.3, 0.2], 1, False),  # threshold 0.321 > 0.3
+    (1.0, 0.9, [0.5, 0.3, 0.2], 0, True),
+]
+
+
+@pytest.mark.parametrize("eps, delta, p, token, accepted", TYPICAL_CASES)
+def test_typical_acceptance_accepts_exactly_above_its_threshold(eps, delta, p, token, accepted):
+    """Typical acceptance is a deterministic threshold on p(x): every row (200 rows, different uniforms) decides the
+    same, and q plays no part (q is the one-hot of the draft, so the exact test would reject a p(x) < 1 draft at
+    random)."""
+    threshold = min(eps, delta * math.exp(-entropy(p)))
+    assert (p[token] > threshold) is accepted and abs(p[token] - threshold) > 1e-3  # the table is right and not a tie
+    out = TypicalAcceptanceLossy(eps=eps, delta=delta).verify(*one_draft_rows(p, token, 200), torch.Generator().manual_seed(3))
+    assert out.num_accepted.tolist() == [int(accepted)] * 200
+
+
+def test_typical_acceptance_stops_at_its_first_rejection_and_samples_from_p():
+    """Four positions decided accept, accept, reject, accept: 2 accepted, the fourth never counts. The token at the
+    rejection is drawn from p (Medusa), not from the residual (p - q)+: with q the one-hot of the rejected draft 2,
+    the residual could never emit 2, p emits it with probability 0.089 (count within its 1 - 1e-6 binomial
+    interval)."""
+    from scipy.stats import binom
+
+    n = 4000
+    rows = [[0.82, 0.091, 0.089, 0.0]] * 4  # [G + 1, V]: the threshold is 0.09 at every position
+    target_probs = torch.tensor(rows + [[0.25] * 4]).expand(n, 5, 4).contiguous()  # [n, G + 1, V]
+    draft_tokens = torch.tensor([[0, 1, 2, 0]]).expand(n, 4).contiguous()  # [n, G]
+    draft_probs = torch.nn.functional.one_hot(draft_tokens, 4).float()  # [n, G, V]
+    out = TypicalAcceptanceLossy().verify(draft_tokens, torch.full((n,), 4), draft_probs, target_probs, torch.Generator().manual_seed(4))
+    assert out.num_accepted.tolist() == [2] * n
+    assert (out.output_tokens[:, :2] == torch.tensor([0, 1])).all() and (out.output_tokens[:, 3:] == -1).all()
+    emitted = out.output_tokens[:, 2]
+    assert set(emitted.tolist()) <= {0, 1, 2}  # p's support
+    low, high = binom.interval(1 - RESIDUAL_SIGNIFICANCE, n, 0.089)
+    assert low <= int((emitted == 2).sum()) <= high
+
+
+def test_entropy_gated_passes_high_entropy_top_k_drafts_and_tests_the_rest_exactly():
+    """EntropyGatedLossy(entropy_threshold=1.0, top_k=3), q the one-hot of the draft (the exact test accepts with
+    probability p(x)). Above the threshold a top-3 draft is accepted in every row; a draft outside the top 3, and
+    any draft below the threshold, is accepted at the exact rate p(x), within its 1 - 1e-6 binomial interval; a
+    p = 0 draft never is. At an exact rejection the token comes from the residual (p - q)+, which excludes the
+    draft."""
+    from scipy.stats import binom
+
+    n, mode = 4000, EntropyGatedLossy(entropy_threshold=1.0, top_k=3)
+    high = [0.2, 0.18, 0.16, 0.14, 0.12, 0.1, 0.1, 0.0]  # H = 1.91 nats > 1; top 3: tokens 0, 1, 2
+    low = [0.9, 0.06, 0.04, 0.0]  # H = 0.39 nats < 1
+    assert entropy(high) > 1.0 > entropy(low)
+    for p, token, rate in [(high, 0, 1.0), (high, 2, 1.0), (high, 3, 0.14), (high, 6, 0.1), (high, 7, 0.0),
+                           (low, 1, 0.06), (low, 3, 0.0)]:
+        out = mode.verify(*one_draft_rows(p, token, n), torch.Generator().manual_seed(token))
+        accepted = int(out.num_accepted.sum())
+        if rate in (0.0, 1.0):
+            assert accepted == rate * n, (p, token)
+        else:
+            lo, hi = binom.interval(1 - RESIDUAL_SIGNIFICANCE, n, rate)
+            assert lo <= accepted <= hi and accepted < 0.5 * n, (p, token, accepted)
+        rejected = out.num_accepted == 0
+        assert (out.output_tokens[rejected, 0] != token).all()  # from (p - q)+, which has no mass at the draft
+    # the negative control of the gate: the same top-3 draft at low entropy is tested exactly (0.06 is in low's top 3)
+    out = mode.verify(*one_draft_rows(low, 1, n), torch.Generator().manual_seed(9))
+    assert int(out.num_accepted.sum()) < 0.1 * n
 
 
 def test_synthetic_acceptance_rate_from_mean_acceptance_length():
