@@ -198,3 +198,49 @@ def load_bench(name: str):
         return module
     finally:
         sys.path.remove(str(BENCH))
+
+
+class StepGate:
+    """Holds a scheduler's model thread inside a step until the test opens the gate (an event, not a timer).
+
+    `with StepGate(scheduler, when) as gate:` wraps the target model's forward; the first forward called while
+    `when(scheduler)` is true (on the model thread) sets `gate.held` and waits for `gate.open()`. A test can then
+    act while a request is known to be mid-flight (disconnect, fill the queue, stop the engine) however fast the
+    host decodes. Leaving the block opens the gate and restores the forward. A gate never opened raises in the
+    model thread after timeout_s (the step fails its requests), so a broken test fails instead of hanging.
+    """
+
+    def __init__(self, scheduler, when, timeout_s: float = 60.0) -> None:
+        import threading
+
+        self.scheduler, self.when, self.timeout_s = scheduler, when, timeout_s
+        self.held, self.opened = threading.Event(), threading.Event()
+        self.model = scheduler.target.model
+
+    def __enter__(self) -> "StepGate":
+        self.real_forward = self.model.forward
+        self.patched = "forward" not in vars(self.model)  # the class's forward: remove ours on exit
+        self.model.forward = self._forward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.opened.set()
+        if self.patched:
+            del self.model.forward
+        else:
+            self.model.forward = self.real_forward
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def _forward(self, *args, **kwargs):
+        if not self.opened.is_set() and self.when(self.scheduler):
+            self.held.set()
+            if not self.opened.wait(self.timeout_s):
+                raise RuntimeError(f"StepGate: the test did not open the gate within {self.timeout_s} s")
+        return self.real_forward(*args, **kwargs)
+
+
+def has_text(scheduler) -> bool:
+    """A StepGate condition: some running request has final text (a streaming client has had its first chunk)."""
+    return any(request.text for request in scheduler.running)
