@@ -17,6 +17,10 @@ tiny_model_dir(family, vocab_size=None, tokenizer="default", seed=0) -> Path
     `tokenizers` library; ids 0..3 are <pad>, <s> (bos), </s> (eos), <unk>; encoding with
     add_special_tokens=True (the default) prepends <s>, like Llama and Gemma tokenizers. Printable ASCII
     always encodes without <unk>; other characters become <unk>.
+
+Skips (tests/ci_skips.py): every session ends with a count of its skips by reason; under CI (env CI set) a skip
+of a test this machine can run (the native kernel on x86-64 with a C compiler, the Chromium report test on Debian
+with apt-get) fails the session.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ci_skips import Skip, hidden_skips, machine_facts, skip_reason, skip_summary, under_ci
 
 TINY_FAMILIES = ("llama", "qwen2", "mistral", "gemma3")
 TINY_SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3
@@ -180,6 +185,42 @@ def read_json_object(proc) -> dict:
             return json.loads(text)
         except json.JSONDecodeError:
             continue
+
+
+_SKIPS: list[Skip] = []
+_HIDDEN: list[str] = []
+
+
+def _note_skip(report) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):  # an xfail is reported as skipped too: not a skip
+        _SKIPS.append(Skip(report.nodeid, skip_reason(report)))
+
+
+def pytest_runtest_logreport(report) -> None:
+    _note_skip(report)
+
+
+def pytest_collectreport(report) -> None:  # a module skipped as a whole
+    _note_skip(report)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Under CI, a skip that this machine did not need fails the session (tests/ci_skips.py)."""
+    if under_ci():
+        _HIDDEN[:] = hidden_skips(machine_facts(), _SKIPS)
+        if _HIDDEN and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _SKIPS:
+        terminalreporter.section("skips by reason")
+        for line in skip_summary(_SKIPS):
+            terminalreporter.write_line(line)
+    if _HIDDEN:
+        terminalreporter.section("skips CI cannot accept (env CI is set): the session fails", red=True)
+        for line in _HIDDEN:
+            terminalreporter.write_line(line)
 
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
