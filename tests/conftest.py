@@ -19,8 +19,8 @@ tiny_model_dir(family, vocab_size=None, tokenizer="default", seed=0) -> Path
     always encodes without <unk>; other characters become <unk>.
 
 Skips (tests/ci_skips.py): every session ends with a count of its skips by reason; under CI (env CI set) a skip
-of a test this machine can run (the native kernel on x86-64 with a C compiler, the Chromium report test on Debian
-with apt-get) fails the session.
+of a test this machine can run (the native kernel on x86-64 with AVX2/FMA and a C compiler, the Chromium report
+test on Debian with apt-get) fails the session.
 """
 
 from __future__ import annotations

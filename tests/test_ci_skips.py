@@ -32,6 +32,8 @@ def test_a_native_kernel_skip_is_hidden_only_where_the_kernel_builds():
         f"{NATIVE_SKIP.nodeid}: skipped (no C compiler or no AVX2/FMA on this CPU), but the native kernel builds here "
         "(x86-64, AVX2/FMA, a C compiler)"
     ]
+    assert len(hidden_skips(BUILDER, [Skip("tests/test_native_kernel.py", "module skipped")])) == 1  # the whole module
+    assert hidden_skips(BUILDER, [Skip("tests/test_native_kernel_extra.py::test_x", "other file")]) == []
     # negative controls: each missing fact makes the skip legitimate
     for facts in (MachineFacts(False, True, AVX2, False), MachineFacts(True, False, AVX2, False),
                   MachineFacts(True, True, frozenset({"avx", "sse4_2"}), False)):
