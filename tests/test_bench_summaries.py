@@ -478,10 +478,11 @@ def test_slices_closed_loop_on_a_real_scheduler(tiny_model_dir):
     prompts = [torch.cat([torch.tensor([1]), torch.arange(5, 9).repeat(3)]), torch.cat([torch.tensor([1]), torch.arange(20, 23).repeat(4)])]
     scheduler = Scheduler(target, "ngram", OffPolicy(), num_slots=2, max_seq_len=64)
     loop = bench.ClosedLoop(scheduler, prompts, 2, max_tokens=6)
-    first = bench.run_slice(scheduler, 0.5)
+    first = bench.run_slice(scheduler, 0.0, min_steps=12)  # sized in steps: a slow or fast host runs the same slice
+    assert first["steps"] == 12 and first["tokens"] == 24 and loop.finished == 4  # off: 1 token a step each, 6 per request
     scheduler.policy = FixedPolicy(3)
-    second = bench.run_slice(scheduler, 0.5)
-    assert first["steps"] > 0 and second["steps"] > 0 and loop.finished > 2 and loop.sent == loop.finished + 2
+    second = bench.run_slice(scheduler, 0.0, min_steps=12)
+    assert second["steps"] == 12 and loop.finished > 4 and loop.sent == loop.finished + 2
     assert set(first["widths"]) == {0} and max(second["widths"]) > 0
     assert first["tokens"] >= first["steps"]  # off: every decode step commits one token per running request
     assert second["tokens"] == sum(t["emitted"] for t in scheduler.trace)

@@ -1,5 +1,9 @@
 """Faults and bad input against the real server on loopback (a tiny random Llama, real HTTP, no mocks).
 
+Timing: nothing here races the host's speed. A request that must still be running when the test acts is held
+mid-step by a StepGate (conftest) until the test has acted; timeouts run on a scheduler clock that advances
+with the steps, not with the wall clock.
+
 Covered here: OpenAI-style error objects for every refusal (400/401/404/413/422/429/503 with Retry-After where
 it applies), a client that disconnects (streamed or not) frees its request and KV slot at the next step,
 per-request timeouts (504, or an error event in a stream), NaN logits in one request fail it alone while a
@@ -28,7 +32,7 @@ from specgate.models import load_model
 from specgate.sampling import SamplingParams
 from specgate.serving.server import ServerConfig, start_server
 
-from conftest import read_json_object
+from conftest import StepGate, has_text, read_json_object
 
 PROMPT = "def generate(prompt, max_new_tokens=16):\n    tokens = tokenize(prompt)\n    for step in range(max_new_tokens):"
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -148,9 +152,10 @@ def test_queue_full_is_429_and_draining_is_503_both_with_retry_after(tiny_path):
     handle = start_server(ServerConfig(target=tiny_path, draft="none", port=0, policy="off", max_num_seqs=1, max_waiting=0))
     try:
         body = {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", handle.url + "/v1/completions", json=body, timeout=60) as first:
+        with StepGate(handle.engine.scheduler, has_text) as gate, httpx.stream("POST", handle.url + "/v1/completions", json=body, timeout=60) as first:
             lines = first.iter_lines()  # one iterator throughout: closing it would close the stream
-            next(line for line in lines if line.startswith("data: {"))  # it holds the only slot
+            next(line for line in lines if line.startswith("data: {"))
+            assert gate.held.wait(60)  # held mid-step: it keeps the only slot while the test fills the queue
             full = httpx.post(handle.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert_error(full, 429, code="queue_full")
             assert full.headers["retry-after"] == "1"
@@ -159,6 +164,7 @@ def test_queue_full_is_429_and_draining_is_503_both_with_retry_after(tiny_path):
             assert_error(draining, 503, code="server_draining")
             assert int(draining.headers["retry-after"]) > 0
             assert httpx.get(handle.url + "/health").status_code == 503
+            gate.open()
             lines = [line for line in lines if line]  # the running request still completes
         assert lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in lines[-2]
     finally:
@@ -166,38 +172,58 @@ def test_queue_full_is_429_and_draining_is_503_both_with_retry_after(tiny_path):
 
 
 def test_disconnect_frees_the_request_and_its_slot_at_the_next_step(server):
+    """The request is held mid-step (StepGate) from its first text until the API asks for the cancel, so the
+    client leaves while it runs however fast the host decodes, and a non-streamed answer can never arrive first."""
     scheduler = server.engine.scheduler
     cancels: list[int] = []
     real_cancel = scheduler.cancel
+    gates: list[StepGate] = []
 
     def recording_cancel(request_id: str) -> None:  # records the step at which the API asked for the cancel
         cancels.append(scheduler.steps)
         real_cancel(request_id)
+        gates[-1].open()
 
     scheduler.cancel = recording_cancel
     try:
         for stream in (True, False):
             before, cancels[:] = counter(server.url, "cancelled"), []
             body = {"prompt": PROMPT, "max_tokens": 1000 - 40, "ignore_eos": True, "stream": stream}
-            if stream:
-                with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as raw:
-                    next(line for line in raw.iter_lines() if line.startswith("data: {"))
-            else:  # the client gives up waiting for a long non-streamed answer
-                with pytest.raises(httpx.ReadTimeout):
-                    httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=0.5))
-            wait_for(lambda: counter(server.url, "cancelled") == before + 1)
+            with StepGate(scheduler, has_text) as gate:
+                gates.append(gate)
+                if stream:
+                    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as raw:
+                        next(line for line in raw.iter_lines() if line.startswith("data: {"))
+                else:  # the client gives up waiting for a long non-streamed answer (held: it cannot come first)
+                    with pytest.raises(httpx.ReadTimeout):
+                        httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=0.5))
+                wait_for(lambda: counter(server.url, "cancelled") == before + 1)  # cancelled: it was still running
             assert len(cancels) == 1 and scheduler.steps - cancels[0] <= 1, (cancels, scheduler.steps)
             assert gauge(server.url, "kv_slots_in_use") == 0 and gauge(server.url, "num_requests_running") == 0
     finally:
         scheduler.cancel = real_cancel
 
 
+class StepClock:
+    """A scheduler clock on which every step takes step_s: a request's timeout falls after a set number of steps,
+    whatever the host's speed (0.3 s at 0.125 s a step: it expires at the start of its 4th step; 3 steps pass)."""
+
+    def __init__(self, scheduler, step_s: float) -> None:
+        self.scheduler, self.step_s = scheduler, step_s
+
+    def __call__(self) -> float:
+        return self.scheduler.steps * self.step_s
+
+
 def test_request_timeout_is_504_or_a_stream_error_and_frees_the_slot(tiny_path):
     handle = start_server(ServerConfig(target=tiny_path, draft="ngram", port=0, policy="fixed", gamma=2, request_timeout_s=0.3))
+    handle.engine.scheduler.clock = StepClock(handle.engine.scheduler, 0.125)  # set before any request arrives
     try:
         body = {"prompt": PROMPT, "max_tokens": 950, "ignore_eos": True}
         error = assert_error(httpx.post(handle.url + "/v1/completions", json=body, timeout=60), 504, code="request_timeout")
         assert "0.3 s" in error["message"]
+        tokens = int(error["message"].split(" after ")[1].split(" tokens")[0])
+        assert 3 <= tokens <= 9  # 3 decode steps of 1..3 tokens (gamma 2), far short of 950
         with httpx.stream("POST", handle.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as raw:
             lines = [line for line in raw.iter_lines() if line]
         assert raw.status_code == 200 and lines[-1] == "data: [DONE]"
@@ -247,6 +273,14 @@ def test_nan_logits_fail_one_request_while_a_concurrent_one_is_served(tiny_path)
         handle.stop()
 
 
+def refusing(url: str) -> bool:
+    """The server has taken a SIGTERM: /health says it is draining, or its socket is closed."""
+    try:
+        return httpx.get(url + "/health", timeout=10).status_code == 503
+    except httpx.ConnectError:
+        return True
+
+
 def test_sigterm_drains_the_in_flight_stream_refuses_new_requests_and_exits_0(tiny_path):
     args = [sys.executable, "-m", "specgate", "serve", "--target", tiny_path, "--draft", "ngram", "--port", "0", "--policy", "fixed", "--json"]
     env = {**os.environ, "SPECGATE_API_KEY": "t0ken"}  # the key from the environment, not the command line
@@ -262,7 +296,7 @@ def test_sigterm_drains_the_in_flight_stream_refuses_new_requests_and_exits_0(ti
             lines = iter(raw.iter_lines())
             first = next(line for line in lines if line.startswith("data: {"))
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            wait_for(lambda: refusing(url))  # the signal was handled (not: a pause long enough on this host)
             try:  # a new request after SIGTERM: 503 while the socket is still open, or refused once it is closed
                 late = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=key, timeout=10)
                 assert_error(late, 503, code="server_draining")
@@ -312,12 +346,17 @@ def test_a_stopped_engine_answers_waiting_clients_instead_of_leaving_them_hangin
         body = {"prompt": PROMPT, "max_tokens": 950, "ignore_eos": True}
         outcome: dict[str, httpx.Response] = {}
         waiter = threading.Thread(target=lambda: outcome.__setitem__("plain", httpx.post(handle.url + "/v1/completions", json=body, timeout=60)))
-        with httpx.stream("POST", handle.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as raw:
+        scheduler = handle.engine.scheduler
+        with StepGate(scheduler, has_text) as gate, httpx.stream("POST", handle.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as raw:
             lines = raw.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
+            assert gate.held.wait(60)  # the stream is held mid-step: it cannot finish before the engine stops
             waiter.start()  # queued behind the stream (one slot)
-            wait_for(lambda: len(handle.engine.scheduler.waiting) == 1)
-            handle.engine.scheduler.stop()  # the model thread ends; nothing will ever finish these requests
+            wait_for(lambda: len(scheduler.waiting) == 1)
+            scheduler.stop(timeout_s=0)  # the loop ends after the held step; nothing will ever finish these requests
+            gate.open()
+            scheduler.thread.join(30)
+            assert not scheduler.thread.is_alive()
             rest = [line for line in lines if line]
         waiter.join(30)
         assert rest[-1] == "data: [DONE]" and json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "engine_unavailable"

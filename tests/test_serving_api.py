@@ -20,7 +20,7 @@ from specgate.serving import FixedPolicy, Request, Scheduler
 from specgate.serving.policy import calibration_tokens
 from specgate.serving.server import ServerConfig, start_server
 
-from conftest import read_json_object
+from conftest import StepGate, has_text, read_json_object
 
 PROMPT = "def generate(prompt, max_new_tokens=16):\n    tokens = tokenize(prompt)\n    for step in range(max_new_tokens):"
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
@@ -163,18 +163,30 @@ def _wait_for(condition, timeout_s: float = 15.0) -> None:
 def test_disconnect_mid_stream_cancels_and_frees_the_slot(server):
     before = scrape(server.url)
     body = {"prompt": PROMPT, "max_tokens": 950, "stream": True, "ignore_eos": True, "temperature": 0.0}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body) as raw:
-        for line in raw.iter_lines():
-            if line.startswith("data: {"):
-                break  # one chunk received; leave
-    _wait_for(lambda: delta(scrape(server.url), before, "specgate:request_success_total", finished_reason="cancelled") == 1)
+    scheduler = server.engine.scheduler
+    with StepGate(scheduler, has_text) as gate:  # held from its first text until the cancel: it cannot finish first
+        def cancel_then_open(request_id: str) -> None:
+            real_cancel(request_id)
+            gate.open()
+
+        real_cancel, scheduler.cancel = scheduler.cancel, cancel_then_open
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body) as raw:
+                for line in raw.iter_lines():
+                    if line.startswith("data: {"):
+                        break  # one chunk received; leave
+            _wait_for(lambda: delta(scrape(server.url), before, "specgate:request_success_total", finished_reason="cancelled") == 1)
+        finally:
+            del scheduler.cancel  # the method again
     after = scrape(server.url)
     assert after[("specgate:kv_slots_in_use", ())] == 0 and not server.engine.scheduler.running
     assert delta(after, before, "specgate:generation_tokens_total") < 950
 
 
 def test_queue_full_is_429(tiny_path):
-    """One slot, no waiting room: of several simultaneous long requests some must be refused with 429."""
+    """One slot, no waiting room: of several simultaneous long requests all but the first are refused with 429.
+    The first is held at its first forward (StepGate) until the others have been answered, so it cannot finish
+    and free the slot for a later one however fast the host decodes."""
     handle = start_server(ServerConfig(target=tiny_path, draft="ngram", port=0, policy="off", max_num_seqs=1, max_waiting=0))
     try:
         client = openai.OpenAI(base_url=handle.url + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -189,11 +201,15 @@ def test_queue_full_is_429(tiny_path):
                 outcomes.append(exc.status_code)
 
         threads = [threading.Thread(target=call) for _ in range(6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert sorted(set(outcomes)) == [200, 429], outcomes
+        with StepGate(handle.engine.scheduler, lambda scheduler: bool(scheduler.running)) as gate:
+            for thread in threads:
+                thread.start()
+            _wait_for(lambda: len(outcomes) == 5)
+            assert outcomes == [429] * 5
+            gate.open()
+            for thread in threads:
+                thread.join()
+        assert sorted(outcomes) == [200] + [429] * 5, outcomes
         assert scrape(handle.url)[("specgate:num_requests_rejected_total", ())] == outcomes.count(429)
     finally:
         handle.stop()

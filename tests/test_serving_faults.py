@@ -5,8 +5,6 @@ back poisoned (fault injection around the real model; the scheduler under test i
 scenario the metrics must show no running or waiting request and no KV slot in use.
 """
 
-import time
-
 import pytest
 import torch
 
@@ -71,9 +69,19 @@ def test_non_finite_logits_fail_only_that_request(tiny_target, monkeypatch, pois
     assert_idle(metrics, scheduler)
 
 
+class FakeClock:
+    """The scheduler's clock: seconds pass only when the test moves `now` (timeouts do not race the host's speed)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_timeouts_of_running_and_waiting_requests(tiny_target):
-    metrics = ServingMetrics("tiny", num_slots=1)
-    scheduler = Scheduler(tiny_target, draft="ngram", policy=FixedPolicy(2), num_slots=1, max_seq_len=64, metrics=metrics)
+    metrics, clock = ServingMetrics("tiny", num_slots=1), FakeClock()
+    scheduler = Scheduler(tiny_target, draft="ngram", policy=FixedPolicy(2), num_slots=1, max_seq_len=64, metrics=metrics, clock=clock)
     with pytest.raises(ValueError, match="timeout_s=0"):
         scheduler.submit(Request(prompts(1)[0], GREEDY, max_tokens=4, timeout_s=0))
     running = scheduler.submit(Request(prompts(1)[0], GREEDY, max_tokens=40, ignore_eos=True, timeout_s=0.3))
@@ -81,11 +89,15 @@ def test_timeouts_of_running_and_waiting_requests(tiny_target):
     patient = scheduler.submit(Request(prompts(3)[2], GREEDY, max_tokens=4, ignore_eos=True))
     scheduler.step()
     assert running.slot == 0 and len(running.tokens) >= 1
-    time.sleep(0.35)  # past both timeouts
+    clock.now = 0.2  # exactly the waiting request's timeout: not past it yet (control)
+    scheduler.step()
+    assert running.finish_reason is None and waiting.finish_reason is None and list(scheduler.waiting) == [waiting, patient]
+    clock.now = 0.35  # past both timeouts
     scheduler.step()
     assert running.finish_reason == "timeout" and 1 <= len(running.tokens) < 40
     assert running.tokens == reference(tiny_target, running.prompt_ids, 40)[: len(running.tokens)]
     assert waiting.finish_reason == "timeout" and waiting.slot == -1 and waiting.tokens == []
+    assert running.stats.e2e_s == pytest.approx(0.35) and waiting.stats.e2e_s == pytest.approx(0.35)  # on the scheduler's clock
     scheduler.run_until_idle()
     assert patient.finish_reason == "length" and len(patient.tokens) == 4  # the freed slot went to the next one
     assert 'specgate:request_success_total{finished_reason="timeout",model_name="tiny"} 2.0' in metrics.render().decode()

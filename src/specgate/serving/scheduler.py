@@ -100,7 +100,7 @@ def seeded_generator(seed: int, stream: int) -> torch.Generator:
 
 @dataclass
 class RequestStats:
-    """Per-request counters and latencies (seconds, from time.perf_counter)."""
+    """Per-request counters and latencies (seconds, on the scheduler's clock: time.perf_counter by default)."""
 
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -260,7 +260,10 @@ class Scheduler:
     adaptive policy's gamma_max, so that a narrower policy's steps do not leave the deep positions' estimates
     without evidence for the adaptive one (bench/bench_slices.py). request_prior_weight: pseudo-tests of the
     traffic's profile in each request's estimate (acceptance.REQUEST_PRIOR_WEIGHT: a request's few own tests are
-    shrunk towards the traffic's, the weight that scored the next drafts best in run 41).
+    shrunk towards the traffic's, the weight that scored the next drafts best in run 41). clock: a function giving
+    seconds, for the request times (arrival, timeouts, first token, inter-token latencies, finish; trace
+    "end_s"); default time.perf_counter. Tests pass a fake one so that timeouts depend on steps, not on the host's
+    speed. The step costs the policy learns from are always measured with time.perf_counter.
     """
 
     def __init__(
@@ -277,6 +280,7 @@ class Scheduler:
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         lookup_tokens: int | None = None,
         request_prior_weight: float = REQUEST_PRIOR_WEIGHT,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         from specgate.serving.policy import OffPolicy
 
@@ -329,6 +333,7 @@ class Scheduler:
         self.traffic_acceptance = AcceptanceStats(TRAFFIC_DECAY)  # every request's evidence: a new request's prior
         self.last_prefill_tokens = 0  # prompt tokens prefilled by the latest step (<= prefill_chunk_tokens)
         self.trace: list[dict] | None = None  # set to [] to record one dict per decode step (see _decode_step)
+        self.clock = clock or time.perf_counter  # request times (see the class docstring); step costs stay on perf_counter
 
     # ------------------------------------------------------------------ requests (any thread)
     def validate(self, request: Request) -> None:
@@ -364,7 +369,7 @@ class Scheduler:
                     f"--max-num-seqs {self.num_slots}, --max-waiting {self.max_waiting}): retry later"
                 )
             request.request_id = request.request_id or f"req-{next(self._ids)}"
-            request.stats.arrival_s = time.perf_counter()
+            request.stats.arrival_s = self.clock()
             self.waiting.append(request)
             self._update_gauges()
             self.lock.notify_all()
@@ -456,7 +461,7 @@ class Scheduler:
 
     def _expire(self) -> None:
         """Finish every waiting or running request past its timeout_s with finish_reason "timeout"."""
-        now = time.perf_counter()
+        now = self.clock()
 
         def late(request: Request) -> bool:
             return request.timeout_s is not None and now - request.stats.arrival_s > request.timeout_s
@@ -608,7 +613,7 @@ class Scheduler:
         # 5. one batched verification with per-request generators
         result = self._verify(running, states, drafts, draft_tokens, torch.tensor(num_drafts), target_logits, target_argmax)
         # 6. commit
-        now = time.perf_counter()
+        now = self.clock()
         step_stats = {"num_drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_position": [0] * width}
         committed = 0
         rows_emitted, rows_before = [], []  # per row: tokens committed now, tokens it had before (0: its first)
@@ -774,7 +779,7 @@ class Scheduler:
         if state is not None and reason != "cancelled":  # the text so far is final (timeouts and errors too)
             state["text"].finish()
         request.finish_reason = reason
-        request.stats.finish_s = time.perf_counter()
+        request.stats.finish_s = self.clock()
         with self.lock:
             if request in self.running:
                 self.running.remove(request)
