@@ -42,21 +42,19 @@ def test_cost_model_interpolates_and_extrapolates():
         CostModel({(1, 1): 1.0, (2, 1): 2.0, (1, 5): 3.0})
 
 
-DRAFT_MODEL_GAP = 0.03  # the per-width search's measured worst miss with a draft model is 2.6% (see the test below)
 
 
-def brute_force_goodput(cost: CostModel, rates: list[list[float]], gammas: tuple[int, ...], real: bool = False) -> float:
+def brute_force_goodput(cost: CostModel, rates: list[list[float]], gammas: tuple[int, ...]) -> float:
     """Independent oracle: expected tokens (1 + sum_k prod_{j<=k} a_j per request) over the step's modelled
-    time (draft pass s runs over the rows with gamma >= s; the target pass is priced padded to the widest row, or
-    with real=True at its real tokens, batch + the drafts, with the correction of the padded width)."""
+    time (draft pass s runs over the rows with gamma >= s; the target pass is priced padded to the widest row)."""
     tokens = sum(1.0 + sum(float(np.prod(r[:k])) for k in range(1, g + 1)) for r, g in zip(rates, gammas))
     width = max(gammas)
     drafts_ms = sum(cost.draft_step_ms(sum(g >= s for g in gammas)) for s in range(1, width + 1))
-    return tokens / (drafts_ms + cost.target_step_ms(len(rates), width + 1, len(rates) + sum(gammas) if real else None))
+    return tokens / (drafts_ms + cost.target_step_ms(len(rates), width + 1))
 
 
 def oracle_goodput(cost: CostModel, acceptance: list, gammas, gamma_max: int = 8) -> float:
-    """brute_force_goodput (the padded price, the policy's default) for the policy's inputs: one alpha per request
+    """brute_force_goodput (the policy's padded price) for the policy's inputs: one alpha per request
     is that rate at every position, one int gamma is shared by every request."""
     rates = [[float(a)] * gamma_max if np.ndim(a) == 0 else list(a) for a in acceptance]
     return brute_force_goodput(cost, rates, tuple([gammas] * len(rates) if isinstance(gammas, int) else gammas))
@@ -77,81 +75,47 @@ def test_adaptive_speculates_alone_and_stops_under_heavy_batch_cost():
     assert policy.choose([]) == []
 
 
-@pytest.mark.parametrize("real", [False, True, "cells"])
 @pytest.mark.parametrize("seed", range(6))
-def test_adaptive_choice_is_the_best_gamma_vector(seed, real):
-    """Against an exhaustive search of small random batches, priced as the policy prices them. The padded price
-    (default): over every gamma vector (0..cap_i per request), a fresh policy (no incumbent) finds the best
+def test_adaptive_choice_is_the_best_gamma_vector(seed):
+    """Against an exhaustive search of small random batches, priced as the policy prices them (padded to the
+    widest row): over every gamma vector (0..cap_i per request), a fresh policy (no incumbent) finds the best
     whatever its margin; one holding an incumbent width stays within its margin of the best, and keeps the
-    incumbent exactly when that width's plan is within the margin. The ablation real_token_prices: with free
-    (lookup) drafts the policy searches the plans "every row drafts min(width, cap)", one per width, and must find
-    the best of them exactly (and the same incumbent rules hold); with a draft model its search (per width, the k
-    rows of most expected extra tokens) is a heuristic on that price, within DRAFT_MODEL_GAP of the best vector
-    (1000 random cases of this test's kind: 30 missed the best, the worst by 2.6%). "cells": real-token prices whose
-    live correction is learnt per real-token count (CostModel.real_cells), after random steps have moved it: the
-    policy's vectorised prices must be the model's own (CostModel.target_step_ms) for every plan."""
+    incumbent exactly when that width's plan is within the margin."""
     rng = np.random.default_rng(seed)
     for _ in range(25):
         batch, gamma_max = int(rng.integers(1, 5)), 4
         draft_1 = float(rng.choice([0.0, 5.0, 20.0, 60.0]))
-        cost = CostModel(ANCHOR_MS, draft_ms={1: draft_1, 16: draft_1 * float(rng.choice([1, 2, 4]))} if draft_1 else {},
-                         real_cells=real == "cells")
-        if real == "cells":  # steps at a few real-token counts, each off its calibration by its own factor
-            for real_tokens in rng.integers(batch, batch * (gamma_max + 1) + 1, 4).tolist():
-                cost.observe(batch, gamma_max + 1, float(rng.uniform(0.6, 1.6)) * cost.calibrated_ms(batch, real_tokens / batch), real_tokens)
+        cost = CostModel(ANCHOR_MS, draft_ms={1: draft_1, 16: draft_1 * float(rng.choice([1, 2, 4]))} if draft_1 else {})
         rates = rng.random((batch, gamma_max)).tolist()
         caps = rng.integers(0, gamma_max + 1, batch).tolist()
-        if draft_1 or not real:
-            vectors = list(itertools.product(*[range(c + 1) for c in caps]))
-        else:
-            vectors = [tuple(min(width, c) for c in caps) for width in range(gamma_max + 1)]
-        scored = [(brute_force_goodput(cost, rates, v, real), v) for v in vectors]
+        vectors = list(itertools.product(*[range(c + 1) for c in caps]))
+        scored = [(brute_force_goodput(cost, rates, v), v) for v in vectors]
         best = max(goodput for goodput, _ in scored)
-        heuristic = bool(draft_1) and real
-        slack = DRAFT_MODEL_GAP if heuristic else 1e-9
-        real = bool(real)
         for margin in (0.0, 0.05):
-            chosen = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin, real_token_prices=real).choose(rates, caps)
+            chosen = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin).choose(rates, caps)
             assert all(0 <= g <= c for g, c in zip(chosen, caps))
             assert tuple(chosen) in vectors, (caps, chosen)
-            assert brute_force_goodput(cost, rates, tuple(chosen), real) >= best * (1 - slack), (rates, caps, chosen)
-        if heuristic:
-            continue
+            assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - 1e-9), (rates, caps, chosen)
         margin = 0.05
-        policy = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin, real_token_prices=real)
+        policy = AdaptivePolicy(cost, gamma_max=gamma_max, margin=margin)
         policy.incumbent = int(rng.integers(0, gamma_max + 1))
         held = max((goodput for goodput, v in scored if max(v) == policy.incumbent), default=0.0)
         chosen = policy.choose(rates, caps)
-        assert brute_force_goodput(cost, rates, tuple(chosen), real) >= best * (1 - margin) * (1 - 1e-9), (rates, caps, chosen)
+        assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - margin) * (1 - 1e-9), (rates, caps, chosen)
         if held >= best * (1 - margin) * (1 + 1e-9):
             assert max(chosen) == policy.incumbent, (rates, caps, chosen)
         elif held < best * (1 - margin) * (1 - 1e-9):
-            assert brute_force_goodput(cost, rates, tuple(chosen), real) >= best * (1 - 1e-9), (rates, caps, chosen)
+            assert brute_force_goodput(cost, rates, tuple(chosen)) >= best * (1 - 1e-9), (rates, caps, chosen)
 
 
-def test_ragged_steps_are_priced_by_their_real_tokens():
-    """The C stack runs a ragged step's real tokens only (run 20, batch 16, fixed gamma 2: a step's forward grew
-    ~6 ms per draft verified at the same width). CostModel prices a width-2 step where half the rows have one
-    draft between width 1 and width 2 at full rows, and its live correction learns from the real tokens a step
-    ran; the policy uses that price with real_token_prices (an ablation), the padded one by default."""
+def test_ragged_plans_are_priced_at_their_padded_rectangle():
+    """A ragged plan (some rows drafting fewer than the widest) is priced as if every row ran the widest row's
+    tokens: the batched target pass is padded to its widest row."""
     cost = CostModel({(16, 1): 90.0, (16, 2): 170.0, (16, 3): 260.0})
-    assert cost.target_step_ms(16, 3, 16 + 16) == pytest.approx(170.0)  # width 2, 16 drafts: priced as 16 x 2 tokens
-    assert cost.target_step_ms(16, 3, 16 + 24) == pytest.approx(215.0)
-    assert cost.target_step_ms(16, 3) == cost.target_step_ms(16, 3, 48) == pytest.approx(260.0)
-    for _ in range(200):  # ragged width-2 steps (24 drafts) measured 10% over their real-token price
-        cost.observe(16, 3, 1.1 * 215.0, real_tokens=40)
-    assert cost.target_step_ms(16, 3, 40) == pytest.approx(1.1 * 215.0, rel=0.01)
-    # real_token_prices: with free drafts every row runs at what the width allows, priced by the drafts it uses
-    policy = AdaptivePolicy(cost, gamma_max=2, margin=0.0, real_token_prices=True)
-    chosen = policy.choose([[0.9, 0.9]] * 16, caps=[2] * 8 + [1] * 8)
-    assert chosen in ([2] * 8 + [1] * 8, [1] * 16, [0] * 16)
-    assert policy.last_prediction[1] == pytest.approx(cost.target_step_ms(16, max(chosen) + 1, 16 + sum(chosen)))
-    # the default padded price: the same ragged plan costs its full rectangle
     padded = AdaptivePolicy(cost, gamma_max=2, margin=0.0)
     ragged = padded.choose([[0.9, 0.9]] * 16, caps=[2] * 8 + [1] * 8)
     assert padded.last_prediction[1] == pytest.approx(cost.target_step_ms(16, max(ragged) + 1))
-    if max(ragged) == 2:  # a ragged width-2 plan: the padded price is the higher one
-        assert padded.last_prediction[1] > cost.target_step_ms(16, 3, 16 + sum(ragged))
+    assert padded.plans_priced() == [[w, d, round(cost.target_step_ms(16, w + 1), 2)] for w, d in [(0, 0), (1, 16), (2, 24)]]
 
 
 def test_margin_holds_the_incumbent_width_of_near_equal_plans():
@@ -317,34 +281,6 @@ def test_monotone_removes_timing_noise_from_the_grid():
     assert clean.target_ms == {(1, 1): 70, (1, 5): 70, (2, 1): 70, (2, 5): 120} and clean.draft_ms == {1: 9.0, 2: 9.0}
 
 
-def test_real_cells_learn_prices_by_real_tokens_and_interpolate_between_them():
-    """CostModel(real_cells=True) keys its live correction by a step's real tokens, not its padded width: ragged
-    steps of one padded width (batch 8, width 4) that ran 26 and 38 real tokens at 0.8x and 1.2x their calibration
-    are priced so, each, and a count between them that never ran (a full width-3 step, 32 tokens: the plan measured
-    25% over-priced at batch 8 in run 28, bench/out/slices_run28/counterfactual.md) at the log-linear interpolation.
-    Negative control: the padded cells put both kinds of step in one cell and price neither right. A real-cell model
-    with the padded price is refused (its cells would never be read)."""
-    grid = {(8, t): ms for t, ms in [(1, 55.0), (2, 90.0), (3, 120.0), (4, 168.0), (5, 200.0)]}
-    cells, padded = CostModel(dict(grid), real_cells=True), CostModel(dict(grid))
-    for _ in range(150):
-        for model in (cells, padded):
-            model.observe(8, 5, 0.8 * model.calibrated_ms(8, 26 / 8), real_tokens=26)
-            model.observe(8, 5, 1.2 * model.calibrated_ms(8, 38 / 8), real_tokens=38)
-    assert cells.target_step_ms(8, 5, 26) == pytest.approx(0.8 * cells.calibrated_ms(8, 26 / 8), rel=0.02)
-    assert cells.target_step_ms(8, 5, 38) == pytest.approx(1.2 * cells.calibrated_ms(8, 38 / 8), rel=0.02)
-    between = np.exp(np.log(0.8) + (np.log(1.2) - np.log(0.8)) * 6 / 12)
-    assert cells.target_step_ms(8, 4) == pytest.approx(between * 168.0, rel=0.02)  # full width 3: 32 real tokens
-    assert cells.to_dict()["real_cells"] is True and cells.visits(8, 26 / 8) > 10 and cells.visits(8, 5) == 0.0
-    low, high = padded.target_step_ms(8, 5, 26) / padded.calibrated_ms(8, 26 / 8), padded.target_step_ms(8, 5, 38) / padded.calibrated_ms(8, 38 / 8)
-    assert low == pytest.approx(high) and abs(low - 0.8) > 0.1 and abs(high - 1.2) > 0.1  # one cell for both
-    assert monotone(cells).real_cells
-    with pytest.raises(ValueError, match="real_token_prices=True"):
-        AdaptivePolicy(CostModel(dict(grid), real_cells=True))
-    policy = AdaptivePolicy(cells, gamma_max=4, real_token_prices=True, margin=0.0)
-    chosen = policy.choose([[0.9] * 4] * 8, caps=[4, 4, 4, 3, 3, 2, 1, 0])  # a ragged plan: priced at its real tokens' cell
-    assert policy.last_prediction[1] == pytest.approx(cells.target_step_ms(8, max(chosen) + 1, 8 + sum(chosen)), rel=1e-6)
-
-
 def test_live_correction_learns_the_shape_the_calibration_missed():
     """The calibration says 9 tokens at batch 1 cost 111 ms; the steps actually run cost 190 ms (and the others as
     calibrated). Fed those measurements, the model converges on each shape's own time and the policy drops from its
@@ -499,36 +435,3 @@ def test_probes_correct_an_over_priced_neighbour(probe_every):
         AdaptivePolicy(cost, probe_margin=1.5)
     with pytest.raises(ValueError, match="probe_bonus=-1"):
         AdaptivePolicy(cost, probe_bonus=-1)
-
-
-def test_throughput_objective_buys_tokens_in_easy_states_and_saves_time_in_hard_ones():
-    """objective="throughput" maximises E[tokens] - rate * ms, rate the predicted tokens per ms of its own recent
-    plans (AdaptivePolicy.rate). Batch 1, a step of t tokens costs 40 + 10 t ms, flat acceptance a. After 20
-    decisions at a = 0.7 (best ratio: width 3) the rate is that plan's goodput; then in an easy state (a = 0.85)
-    it runs wider than the best ratio (7 against 5) and in a hard one (a = 0.55, 0.3) narrower (1 against 2, 0
-    against 1), each the brute-force argmax of the linear score. Negative control: the default objective ("goodput")
-    runs the best ratio in every state, and "throughput" does the same until RATE_MIN_STEPS decisions are in."""
-    from specgate.serving.policy import RATE_DECAY, RATE_MIN_STEPS
-
-    def make(objective):
-        cost = CostModel({(1, t): 40.0 + 10.0 * t for t in range(1, 10)}, live_rate=0.0)
-        return AdaptivePolicy(cost, gamma_max=8, probe_every=0, margin=0.0, objective=objective)
-
-    def expected(a):
-        return np.array([1.0 + sum(a**k for k in range(1, g + 1)) for g in range(9)])  # [G+1]
-
-    ms = 40.0 + 10.0 * (np.arange(9) + 1)  # [G+1]
-    ratio, rate_policy = make("goodput"), make("throughput")
-    assert rate_policy.rate(1) is None
-    for step in range(20):
-        assert rate_policy.choose([[0.7] * 8], [8]) == ratio.choose([[0.7] * 8], [8]) == [3]
-        assert (rate_policy.rate(1) is None) == (sum(RATE_DECAY**k for k in range(step + 1)) < RATE_MIN_STEPS)  # decayed count
-    rho = rate_policy.rate(1)
-    assert rho == pytest.approx(expected(0.7)[3] / ms[3])
-    for a, by_ratio, by_rate in [(0.85, 5, 7), (0.55, 2, 1), (0.3, 1, 0)]:
-        assert ratio.choose([[a] * 8], [8]) == [by_ratio] == [int(np.argmax(expected(a) / ms))]
-        assert rate_policy.choose([[a] * 8], [8]) == [by_rate] == [int(np.argmax(expected(a) - rho * ms))]
-        rate_policy.rate_counts[1] = [20.0, 20.0 * rho, 20.0]  # back to the rate learnt at 0.7 (one state at a time)
-    assert rate_policy.describe()["objective"] == "throughput"
-    with pytest.raises(ValueError, match="objective='ratio' is unknown"):
-        make("ratio")

@@ -583,7 +583,7 @@ class Scheduler:
             if proposal:
                 state["proposals"].append((len(request.tokens), proposal, 0))
         num_drafts = [len(tokens) for tokens, _ in drafts]
-        width, drafted = max(num_drafts), sum(num_drafts)
+        width = max(num_drafts)
         # 4. one ragged target forward: last committed token + drafts, at each row's own positions
         batch = len(running)
         ids = torch.zeros(batch, width + 1, dtype=torch.int64)  # [B, G+1]
@@ -631,7 +631,7 @@ class Scheduler:
         # the adaptive cost model learns the whole step but its draft passes (priced on their own): the lookups,
         # the forward, the verification and the commit, which grow with the tokens a step scores and emits
         step_ms = 1e3 * (time.perf_counter() - step_start - draft_s)
-        self.policy.observe_step(batch, width + 1, step_ms, committed if len(running) == batch else None, drafted=drafted)
+        self.policy.observe_step(batch, width + 1, step_ms, committed if len(running) == batch else None)
         self._update_gauges()
         if self.trace is not None:  # one record per decode step, for benchmarks (times in ms)
             predicted = getattr(self.policy, "last_prediction", None)  # adaptive: the plan's (tokens, ms)
