@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from specgate.cli.common import UserError
+from specgate.errors import UserError
 
 ENGINE_NAMES = ("llama.cpp",)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specgate.gate import decision, quality
+from specgate.jsonutil import jsonable
 
 DEFINITIONS = {
     "TTFT": "time to first token: from sending the request to the first streamed chunk with text (client clock)",
@@ -399,15 +400,13 @@ img.plot {{ max-width: 100%; }} pre {{ background: #f6f8fa; padding: 8px; overfl
 
 def write_outputs(out: Path, report: dict[str, Any], records: list[dict]) -> dict[str, str]:
     """Write report.json, report.md, report.html and requests.jsonl into `out`; returns their paths."""
-    from specgate.cli.common import _jsonable
-
     plots = make_plots(report)
     paths = {"json": out / "report.json", "markdown": out / "report.md", "html": out / "report.html", "requests": out / "requests.jsonl"}
     report["files"] = {k: str(v) for k, v in paths.items()}
-    paths["json"].write_text(json.dumps(_jsonable(report), indent=1) + "\n")
+    paths["json"].write_text(json.dumps(jsonable(report), indent=1) + "\n")
     paths["markdown"].write_text(render_markdown(report))
     paths["html"].write_text(render_html(report, plots))
     with open(paths["requests"], "w") as f:
         for record in records:
-            f.write(json.dumps(_jsonable(record)) + "\n")
+            f.write(json.dumps(jsonable(record)) + "\n")
     return report["files"]
