@@ -67,72 +67,92 @@ def register(app: typer.Typer) -> None:
         json_output: bool = typer.Option(False, "--json", help="Print one JSON object {verdict, config, criteria, configs, report, notes}."),
     ) -> None:
         """Measure speculation against a baseline on a workload and decide GO / NO-GO, with a report."""
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        from specgate.gate.decision import Thresholds
-        from specgate.gate.runner import GateOptions, check_out_dir, run_gate
+        args = dict(locals())  # every option by name, before any other local
+        from specgate.gate.runner import check_out_dir
 
         check_out_dir(out)
-        options = GateOptions.quick(out) if quick else GateOptions(out=out)
-        overrides = {
-            "max_tokens": max_tokens, "per_category": per_category, "requests_per_level": requests_per_level, "qps": qps,
-            "poisson_requests": poisson_requests, "math_items": math_items, "sample_prompts": sample_prompts, "max_num_seqs": max_num_seqs,
-            "greedy_tokens": greedy_tokens, "threads": threads,
-        }
-        for key, value in overrides.items():
-            if value is not None:
-                setattr(options, key, value)
-        if concurrency is not None:
-            options.concurrency = _int_list(concurrency, "--concurrency")
-        options.gammas = _int_list(gamma, "--gamma")
-        options.target, options.drafts, options.gamma, options.dtype, options.lossy = target, list(draft), options.gammas[0], dtype, lossy
-        options.engine, options.specs, options.server_cmd, options.baseline_cmd = engine, list(spec), server_cmd, baseline_cmd
-        options.adaptive, options.recommend = adaptive, recommend
-        options.endpoint, options.baseline_endpoint, options.metrics_urls = endpoint, baseline_endpoint, list(metrics_url)
-        options.model, options.api_key, options.workload, options.math, options.text = model, api_key, workload, math, text
-        options.seed, options.score = seed, score
-        default_target = 4 if 4 in options.concurrency else max(options.concurrency)
-        options.thresholds = Thresholds(
-            target_concurrency=default_target if target_concurrency is None else target_concurrency, ttft_tolerance=ttft_tolerance,
-            memory_headroom=memory_headroom, greedy_match_min=greedy_match_min,
-            require=tuple(part.strip() for part in (require or "").split(",") if part.strip()),
-        )
-        options.validate()
-        console = common.err_console
-
-        def log(message: str) -> None:
-            console.print(f"[dim]gate:[/] {message}", highlight=False)
-
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=False) as progress:
-            report = run_gate(options, progress=progress, log=log)
-        summary = {
-            "verdict": report["verdict"], "config": report["config"], "recommendation": report["recommendation"], "criteria": report["criteria"],
-            "configs": {name: c["verdict"] for name, c in report["configs"].items()}, "report": report["files"],
-            "notes": report["notes"], "wall_s": report["wall_s"],
-            "failures": {name: r["failure"] for name, r in report["measurements"].items() if r.get("failure")},
-        }
+        report = _run_with_progress(_gate_options(args))
+        summary = _summary(report)
         if json_output:
             common.print_json(summary)
         else:
-            from rich.table import Table
-
-            table = Table(title=f"gate criteria for {report['config']}")
-            for column in ("criterion", "value", "threshold", "result", "reason"):
-                table.add_column(column)
-            from specgate.gate.report import _f, recommendation_lines
-
-            for c in report["criteria"]:
-                result = ("[green]PASS[/]" if c["pass"] else "[red]FAIL[/]") + ("" if c.get("binding", True) else " (target)")
-                table.add_row(c["name"], _f(c["value"]), _f(c["threshold"]), result, c["reason"])
-            common.console.print(table)
-            common.console.print("\n".join(line for line in recommendation_lines(report) if line != "```"), highlight=False, markup=False)
-            for note in report["notes"]:
-                common.console.print(f"note: {note}", highlight=False)
-            for name, failure in summary["failures"].items():
-                common.console.print(f"[red]failed:[/] {name}: {failure}", highlight=False)
-            colour = "green" if report["verdict"] == "GO" else "red"
-            common.console.print(f"verdict: [bold {colour}]{report['verdict']}[/] ({report['config']})", highlight=False)
-            common.console.print(f"report: {report['files']['html']}", highlight=False)
+            _print_report(report, summary)
         if fail_on_no_go and report["verdict"] != "GO":
             raise typer.Exit(1)
+
+
+def _gate_options(args: dict):
+    """GateOptions (quick or full defaults) with the command's options over them, validated."""
+    from specgate.gate.decision import Thresholds
+    from specgate.gate.runner import GateOptions
+
+    options = GateOptions.quick(args["out"]) if args["quick"] else GateOptions(out=args["out"])
+    overrides = ("max_tokens", "per_category", "requests_per_level", "qps", "poisson_requests", "math_items", "sample_prompts",
+                 "max_num_seqs", "greedy_tokens", "threads")
+    for key in overrides:
+        if args[key] is not None:
+            setattr(options, key, args[key])
+    if args["concurrency"] is not None:
+        options.concurrency = _int_list(args["concurrency"], "--concurrency")
+    options.gammas = _int_list(args["gamma"], "--gamma")
+    options.gamma, options.drafts, options.specs, options.metrics_urls = options.gammas[0], list(args["draft"]), list(args["spec"]), list(args["metrics_url"])
+    for key in ("target", "dtype", "lossy", "engine", "server_cmd", "baseline_cmd", "adaptive", "recommend", "endpoint",
+                "baseline_endpoint", "model", "api_key", "workload", "math", "text", "seed", "score"):
+        setattr(options, key, args[key])
+    default_target = 4 if 4 in options.concurrency else max(options.concurrency)
+    options.thresholds = Thresholds(
+        target_concurrency=default_target if args["target_concurrency"] is None else args["target_concurrency"],
+        ttft_tolerance=args["ttft_tolerance"], memory_headroom=args["memory_headroom"], greedy_match_min=args["greedy_match_min"],
+        require=tuple(part.strip() for part in (args["require"] or "").split(",") if part.strip()),
+    )
+    options.validate()
+    return options
+
+
+def _run_with_progress(options) -> dict:
+    """run_gate with a progress bar and log lines on stderr; the report."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specgate.gate.runner import run_gate
+
+    console = common.err_console
+
+    def log(message: str) -> None:
+        console.print(f"[dim]gate:[/] {message}", highlight=False)
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        return run_gate(options, progress=progress, log=log)
+
+
+def _summary(report: dict) -> dict:
+    """The --json object: verdict, chosen config, recommendation, criteria, per-config verdicts, files, notes."""
+    return {
+        "verdict": report["verdict"], "config": report["config"], "recommendation": report["recommendation"], "criteria": report["criteria"],
+        "configs": {name: c["verdict"] for name, c in report["configs"].items()}, "report": report["files"],
+        "notes": report["notes"], "wall_s": report["wall_s"],
+        "failures": {name: r["failure"] for name, r in report["measurements"].items() if r.get("failure")},
+    }
+
+
+def _print_report(report: dict, summary: dict) -> None:
+    """The criteria table, the recommendation, notes, failures and the verdict, on stdout."""
+    from rich.table import Table
+
+    from specgate.gate.report import _f, recommendation_lines
+
+    table = Table(title=f"gate criteria for {report['config']}")
+    for column in ("criterion", "value", "threshold", "result", "reason"):
+        table.add_column(column)
+    for c in report["criteria"]:
+        result = ("[green]PASS[/]" if c["pass"] else "[red]FAIL[/]") + ("" if c.get("binding", True) else " (target)")
+        table.add_row(c["name"], _f(c["value"]), _f(c["threshold"]), result, c["reason"])
+    common.console.print(table)
+    common.console.print("\n".join(line for line in recommendation_lines(report) if line != "```"), highlight=False, markup=False)
+    for note in report["notes"]:
+        common.console.print(f"note: {note}", highlight=False)
+    for name, failure in summary["failures"].items():
+        common.console.print(f"[red]failed:[/] {name}: {failure}", highlight=False)
+    colour = "green" if report["verdict"] == "GO" else "red"
+    common.console.print(f"verdict: [bold {colour}]{report['verdict']}[/] ({report['config']})", highlight=False)
+    common.console.print(f"report: {report['files']['html']}", highlight=False)

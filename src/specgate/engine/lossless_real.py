@@ -255,12 +255,7 @@ def run_model_check(
     from specgate.models import load_model
     from specgate.sampling import SamplingParams
 
-    if gamma < 1:
-        raise ValueError(f"gamma={gamma} is invalid for the lossless check: use gamma >= 1 (drafts must be verified)")
-    if num_samples < 100:
-        raise ValueError(f"num_samples={num_samples} is too small: use >= 100 (e.g. 20000) for a meaningful test")
-    if not 0.0 < significance < 1.0:
-        raise ValueError(f"significance={significance} is outside (0, 1): use e.g. 0.01")
+    _check_settings(gamma, num_samples, significance)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if params.greedy:
         raise ValueError("temperature=0 is greedy: the lossless check needs sampling (temperature > 0); greedy exactness is tested token for token")
@@ -276,66 +271,20 @@ def run_model_check(
     controls = [Sampler("wrong q: verifier told q is uniform over p's support, not the draft's distribution", gamma, wrong_q=True)]
     controls += [Sampler(name, gamma, lossy=mode) for name, mode in _lossy_controls()]
 
-    progress_cm: Any = contextlib.nullcontext()
-    if progress:
-        from rich.progress import Progress
-
-        progress_cm = Progress(transient=True)
     cases, control_cases = [], {c.name: [] for c in controls}
-    num_tests = 4 * len(prefix_ids)
-    with progress_cm as bar, torch.inference_mode():
+    with _progress_bar(progress) as bar, torch.inference_mode():
         task = bar.add_task("lossless check", total=len(prefix_ids) * (len(samplers) + len(controls))) if progress else None
         for index, prefix in enumerate(prefix_ids):
-            p1 = pair.next_probs(prefix[None])[0].double()  # [V]
-            follow = torch.argsort(p1, descending=True)[:MAX_FIRST_TOKENS]
-            follow = follow[p1[follow] * num_samples >= 4 * MIN_EXPECTED]
-            p2 = pair.next_probs(torch.cat([prefix[None].expand(len(follow), -1), follow[:, None]], 1)).double()  # [F, V]
-            vocab = pair.vocab_size
-            next_expected = {int(t): float(p1[t]) for t in torch.nonzero(p1 * num_samples >= MIN_EXPECTED)[:, 0]}
-            joint_expected: dict[int, float] = {}
-            for f, first in enumerate(follow.tolist()):
-                for second in torch.nonzero(p1[first] * p2[f] * num_samples >= MIN_EXPECTED)[:, 0].tolist():
-                    joint_expected[first * vocab + second] = float(p1[first] * p2[f, second])
-
-            def codes(first: Tensor, second: Tensor) -> tuple[np.ndarray, np.ndarray, int, int]:
-                """Next-token codes, joint codes (-1 = pooled first token) and counts of impossible draws."""
-                impossible_first = int((p1[first] == 0).sum())
-                joint = torch.full_like(first, -1)
-                impossible_joint = impossible_first
-                for f, token in enumerate(follow.tolist()):
-                    rows = first == token
-                    joint[rows] = token * vocab + second[rows]
-                    impossible_joint += int((p2[f][second[rows]] == 0).sum())
-                return first.numpy(), joint.numpy(), impossible_first, impossible_joint
-
+            cells = _PrefixCells.of(pair, prefix, num_samples)
             samples = {}
             for sampler in samplers + controls:
-                samples[sampler.name] = codes(*pair.two_tokens(prefix, num_samples, sampler, follow))
+                samples[sampler.name] = cells.codes(*pair.two_tokens(prefix, num_samples, sampler, cells.follow))
                 if task is not None:
                     bar.advance(task)
-            label = f"prefix {index}"
-            spec, base = samples["speculative"], samples["target-only"]
-            for kind, column, expected in (("next token", 0, next_expected), ("next two tokens", 1, joint_expected)):
-                impossible = spec[2 + column]
-                statistic, p_value, dof = _goodness_of_fit(spec[column], expected, impossible)
-                cases.append(dict(name=f"{label} / {kind} / speculative vs target softmax", statistic=statistic, dof=dof, p_value=p_value))
-                statistic, p_value, dof = _two_sample(spec[column], base[column], expected)
-                cases.append(dict(name=f"{label} / {kind} / speculative vs target-only sampling", statistic=statistic, dof=dof, p_value=p_value))
-                for control in controls:
-                    sample = samples[control.name]
-                    statistic, p_value, dof = _goodness_of_fit(sample[column], expected, sample[2 + column])
-                    control_cases[control.name].append(dict(name=f"{label} / {kind}", statistic=statistic, dof=dof, p_value=p_value))
+            _add_tests(f"prefix {index}", cells, samples, controls, cases, control_cases)
 
-    per_test = significance / num_tests
-    for case in cases:
-        case["verdict"] = "pass" if case["p_value"] >= per_test else "fail"
-    negative_controls = []
-    for control in controls:
-        results = control_cases[control.name]
-        caught = any(r["p_value"] < per_test for r in results)  # the same per-test level as the real cases
-        negative_controls.append(
-            dict(name=control.name, verdict="fail" if caught else "pass", min_p_value=min(r["p_value"] for r in results), cases=results)
-        )
+    per_test = significance / (4 * len(prefix_ids))  # 4 tests per prefix: 2 kinds x (softmax, target-only sampling)
+    negative_controls = _verdicts(cases, control_cases, per_test)
     ok = all(c["verdict"] == "pass" for c in cases) and all(c["verdict"] == "fail" for c in negative_controls)
     return dict(
         verdict="pass" if ok else "fail",
@@ -351,3 +300,89 @@ def run_model_check(
         cases=cases,
         negative_controls=negative_controls,
     )
+
+
+def _progress_bar(show: bool) -> Any:
+    """A transient rich progress bar if show, else a context that yields None."""
+    if not show:
+        return contextlib.nullcontext()
+    from rich.progress import Progress
+
+    return Progress(transient=True)
+
+
+def _check_settings(gamma: int, num_samples: int, significance: float) -> None:
+    if gamma < 1:
+        raise ValueError(f"gamma={gamma} is invalid for the lossless check: use gamma >= 1 (drafts must be verified)")
+    if num_samples < 100:
+        raise ValueError(f"num_samples={num_samples} is too small: use >= 100 (e.g. 20000) for a meaningful test")
+    if not 0.0 < significance < 1.0:
+        raise ValueError(f"significance={significance} is outside (0, 1): use e.g. 0.01")
+
+
+@dataclass
+class _PrefixCells:
+    """One prefix's target distributions and the cells its tests count: the next token (p1), the next two tokens
+    after each frequent first token (follow, p2), each cell with its expected probability (>= MIN_EXPECTED draws)."""
+
+    p1: Tensor  # [V] target probabilities of the next token
+    follow: Tensor  # [F] the first tokens whose second token is tested jointly
+    p2: Tensor  # [F, V] target probabilities of the second token after each of follow
+    vocab: int
+    next_expected: dict[int, float]  # next token -> probability
+    joint_expected: dict[int, float]  # first * vocab + second -> probability
+
+    @staticmethod
+    def of(pair: _Pair, prefix: Tensor, num_samples: int) -> "_PrefixCells":
+        p1 = pair.next_probs(prefix[None])[0].double()  # [V]
+        follow = torch.argsort(p1, descending=True)[:MAX_FIRST_TOKENS]
+        follow = follow[p1[follow] * num_samples >= 4 * MIN_EXPECTED]
+        p2 = pair.next_probs(torch.cat([prefix[None].expand(len(follow), -1), follow[:, None]], 1)).double()  # [F, V]
+        vocab = pair.vocab_size
+        next_expected = {int(t): float(p1[t]) for t in torch.nonzero(p1 * num_samples >= MIN_EXPECTED)[:, 0]}
+        joint_expected: dict[int, float] = {}
+        for f, first in enumerate(follow.tolist()):
+            for second in torch.nonzero(p1[first] * p2[f] * num_samples >= MIN_EXPECTED)[:, 0].tolist():
+                joint_expected[first * vocab + second] = float(p1[first] * p2[f, second])
+        return _PrefixCells(p1, follow, p2, vocab, next_expected, joint_expected)
+
+    def codes(self, first: Tensor, second: Tensor) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Next-token codes, joint codes (-1 = pooled first token) and counts of impossible draws."""
+        impossible_first = int((self.p1[first] == 0).sum())
+        joint = torch.full_like(first, -1)
+        impossible_joint = impossible_first
+        for f, token in enumerate(self.follow.tolist()):
+            rows = first == token
+            joint[rows] = token * self.vocab + second[rows]
+            impossible_joint += int((self.p2[f][second[rows]] == 0).sum())
+        return first.numpy(), joint.numpy(), impossible_first, impossible_joint
+
+
+def _add_tests(label: str, cells: _PrefixCells, samples: dict, controls: list[Sampler], cases: list[dict], control_cases: dict[str, list]) -> None:
+    """One prefix's tests: per kind (next token, next two tokens), the speculative sample against the target's
+    softmax and against target-only sampling (into cases), and each control against the softmax (control_cases)."""
+    spec, base = samples["speculative"], samples["target-only"]
+    for kind, column, expected in (("next token", 0, cells.next_expected), ("next two tokens", 1, cells.joint_expected)):
+        impossible = spec[2 + column]
+        statistic, p_value, dof = _goodness_of_fit(spec[column], expected, impossible)
+        cases.append(dict(name=f"{label} / {kind} / speculative vs target softmax", statistic=statistic, dof=dof, p_value=p_value))
+        statistic, p_value, dof = _two_sample(spec[column], base[column], expected)
+        cases.append(dict(name=f"{label} / {kind} / speculative vs target-only sampling", statistic=statistic, dof=dof, p_value=p_value))
+        for control in controls:
+            sample = samples[control.name]
+            statistic, p_value, dof = _goodness_of_fit(sample[column], expected, sample[2 + column])
+            control_cases[control.name].append(dict(name=f"{label} / {kind}", statistic=statistic, dof=dof, p_value=p_value))
+
+
+def _verdicts(cases: list[dict], control_cases: dict[str, list], per_test: float) -> list[dict]:
+    """Mark each case pass / fail at per_test; the negative controls, each "fail" (caught) if any of its tests
+    rejects at that same per-test level."""
+    for case in cases:
+        case["verdict"] = "pass" if case["p_value"] >= per_test else "fail"
+    negative_controls = []
+    for name, results in control_cases.items():
+        caught = any(r["p_value"] < per_test for r in results)  # the same per-test level as the real cases
+        negative_controls.append(
+            dict(name=name, verdict="fail" if caught else "pass", min_p_value=min(r["p_value"] for r in results), cases=results)
+        )
+    return negative_controls

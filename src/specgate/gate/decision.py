@@ -199,27 +199,42 @@ def decide(baseline: dict, spec: dict, quality: dict, thresholds: Thresholds, an
     """Every criterion of the module docstring for one speculative configuration -> ("GO" | "NO-GO", criteria)."""
     analysis = analysis or analyse(baseline, spec, thresholds.gamma_max)
     n = thresholds.target_concurrency
-    base_lv, spec_lv = _level(baseline, n), _level(spec, n)
-    out: list[Criterion] = []
+    out = [_acceptance_criterion(analysis, n)]  # 1. acceptance vs alpha_min at the measured c
+    out += _speed_criteria(_level(baseline, n), _level(spec, n), n, thresholds)  # 2-4. throughput, TTFT p95, ITL p95
+    out.append(_memory_criterion(baseline, spec, thresholds))  # 5. memory headroom and preemptions
+    out += _quality_criteria(quality, thresholds)  # 6-8. greedy match, math, sampled log-likelihood
+    # 9-10. lossless and completed
+    out.append(_lossless(spec, out[5], out[7]))
+    failure = spec.get("failure") or (f"baseline: {baseline['failure']}" if baseline.get("failure") else None)
+    out.append(Criterion(CRITERIA[9], failure is None, True, failure is None, failure or "every phase ran"))
+    required = {TARGETS[name] for name in thresholds.require}
+    for c in out:
+        c.binding = c.name not in TARGETS.values() or c.name in required
+    verdict = "GO" if all(c.passed for c in out if c.binding) else "NO-GO"
+    return verdict, out
 
-    # 1. acceptance vs alpha_min at the measured c
+
+def _acceptance_criterion(analysis: dict, n: int) -> Criterion:
+    """Criterion 1: the measured alpha (at concurrency n, else the first measured) above alpha_min."""
     rows = {r["concurrency"]: r for r in analysis["per_concurrency"]}
     alpha = (rows.get(n) or (analysis["per_concurrency"][0] if analysis["per_concurrency"] else {})).get("alpha")
     a_min = analysis.get("alpha_min")
     if alpha is None or analysis.get("alpha_min_c") is None:
-        out.append(Criterion(CRITERIA[0], alpha, a_min, False, "alpha or c not measured (no drafts verified, or a phase failed)"))
-    elif a_min is None:
-        out.append(Criterion(CRITERIA[0], alpha, None, False, f"c={_fmt(analysis['alpha_min_c'])} >= 1: the draft step costs as much as a target step, no alpha pays"))
-    else:
-        ok = alpha > a_min
-        out.append(Criterion(CRITERIA[0], alpha, a_min, ok,
-                             f"alpha {_fmt(alpha)} {'>' if ok else '<='} alpha_min {_fmt(a_min)} (gamma {analysis['alpha_min_gamma']}, c {_fmt(analysis['alpha_min_c'])})"))
+        return Criterion(CRITERIA[0], alpha, a_min, False, "alpha or c not measured (no drafts verified, or a phase failed)")
+    if a_min is None:
+        return Criterion(CRITERIA[0], alpha, None, False, f"c={_fmt(analysis['alpha_min_c'])} >= 1: the draft step costs as much as a target step, no alpha pays")
+    ok = alpha > a_min
+    return Criterion(CRITERIA[0], alpha, a_min, ok,
+                     f"alpha {_fmt(alpha)} {'>' if ok else '<='} alpha_min {_fmt(a_min)} (gamma {analysis['alpha_min_gamma']}, c {_fmt(analysis['alpha_min_c'])})")
 
-    # 2-4. throughput, TTFT p95, ITL p95 at the target concurrency
-    def compare(name: str, key: str, better: str, tolerance: float = 0.0, strict: bool = False) -> None:
+
+def _speed_criteria(base_lv: dict | None, spec_lv: dict | None, n: int, thresholds: Thresholds) -> list[Criterion]:
+    """Criteria 2-4 at the target concurrency n: throughput at least the baseline's, TTFT p95 within the tolerance,
+    ITL p95 strictly below the baseline's."""
+
+    def compare(name: str, key: str, better: str, tolerance: float = 0.0, strict: bool = False) -> Criterion:
         if base_lv is None or spec_lv is None or base_lv.get(key) is None or spec_lv.get(key) is None:
-            out.append(Criterion(name, None, None, False, f"not measured at concurrency {n} (phase missing or failed)"))
-            return
+            return Criterion(name, None, None, False, f"not measured at concurrency {n} (phase missing or failed)")
         b, s = base_lv[key], spec_lv[key]
         if better == "higher":
             ok, threshold = s >= b, b
@@ -229,13 +244,17 @@ def decide(baseline: dict, spec: dict, quality: dict, thresholds: Thresholds, an
             ok = s < threshold if strict else s <= threshold
             rel = "<" if strict else "<="
             reason = f"{_fmt(s)} s vs baseline {_fmt(b)} s at concurrency {n}: need {rel} {_fmt(threshold)} s"
-        out.append(Criterion(name, s, threshold, bool(ok), reason))
+        return Criterion(name, s, threshold, bool(ok), reason)
 
-    compare(CRITERIA[1], "output_tokens_per_s", "higher")
-    compare(CRITERIA[2], "ttft_p95_s", "lower", thresholds.ttft_tolerance)
-    compare(CRITERIA[3], "itl_p95_s", "lower", strict=True)
+    return [
+        compare(CRITERIA[1], "output_tokens_per_s", "higher"),
+        compare(CRITERIA[2], "ttft_p95_s", "lower", thresholds.ttft_tolerance),
+        compare(CRITERIA[3], "itl_p95_s", "lower", strict=True),
+    ]
 
-    # 5. memory headroom and preemptions
+
+def _memory_criterion(baseline: dict, spec: dict, thresholds: Thresholds) -> Criterion:
+    """Criterion 5: peak RSS (and GPU memory) within the headroom, no more preemptions than the baseline."""
     memory, base_memory = spec.get("memory") or {}, baseline.get("memory") or {}
     reasons, ok = [], True
     rss, total = memory.get("peak_rss_mib"), memory.get("mem_total_mib")
@@ -253,9 +272,13 @@ def decide(baseline: dict, spec: dict, quality: dict, thresholds: Thresholds, an
         reasons.append(f"preemptions {pre:.0f} vs baseline {base_pre or 0:.0f}")
     if not reasons:
         reasons.append("no memory figure available (external endpoint without preemption counters): not measurable")
-    out.append(Criterion(CRITERIA[4], rss, limit, bool(ok), "; ".join(reasons)))
+    return Criterion(CRITERIA[4], rss, limit, bool(ok), "; ".join(reasons))
 
-    # 6-8. quality
+
+def _quality_criteria(quality: dict, thresholds: Thresholds) -> list[Criterion]:
+    """Criteria 6-8: greedy outputs identical to the baseline's, math accuracy within noise, no shift of the sampled
+    continuations' log-likelihood."""
+    out = []
     greedy = quality.get("greedy") or {}
     rate = greedy.get("rate")
     if rate is None:
@@ -277,16 +300,7 @@ def decide(baseline: dict, spec: dict, quality: dict, thresholds: Thresholds, an
         out.append(Criterion(CRITERIA[7], loglik["p_value"], loglik["significance"], not loglik["flagged"],
                              f"Wilcoxon signed-rank over {loglik['pairs']} prompts: mean log-prob/token {loglik['speculative_mean']:.3f} vs baseline "
                              f"{loglik['baseline_mean']:.3f}, p={loglik['p_value']:.3g}" + (" (a shift: lossy?)" if loglik["flagged"] else "")))
-
-    # 9-10. lossless and completed
-    out.append(_lossless(spec, out[5], out[7]))
-    failure = spec.get("failure") or (f"baseline: {baseline['failure']}" if baseline.get("failure") else None)
-    out.append(Criterion(CRITERIA[9], failure is None, True, failure is None, failure or "every phase ran"))
-    required = {TARGETS[name] for name in thresholds.require}
-    for c in out:
-        c.binding = c.name not in TARGETS.values() or c.name in required
-    verdict = "GO" if all(c.passed for c in out if c.binding) else "NO-GO"
-    return verdict, out
+    return out
 
 
 def _lossless(spec: dict, greedy: Criterion, loglik: Criterion) -> Criterion:

@@ -273,83 +273,104 @@ async def measure_config(
     """Run every phase against one endpoint, filling `result` (sweep, poisson, windows, outputs, memory)."""
     import httpx
 
-    name = endpoint.name
     client = gate_client.Client(endpoint.url, model=options.model, api_key=options.api_key, timeout_s=options.request_timeout_s)
     http = httpx.AsyncClient()
-    windows: list[prom.SpecWindow] = []
-    timed: list[gate_client.RequestRecord] = []
+    phases = _Phases(endpoint, http, result, records, after_phase)
     result.update({"sweep": [], "per_category": {}, "per_category_latency": {}, "greedy": {}, "math_outputs": {}, "samples": {}, "phases": []})
     try:
-        async def phase(phase_name: str, run: Callable[[], Any]) -> tuple[gate_client.PhaseResult, prom.SpecWindow | None] | None:
-            before = await _scrape(http, endpoint.metrics_url)
-            phase_start = time.perf_counter()
-            outcome = await run()
-            after = await _scrape(http, endpoint.metrics_url)
-            window = prom.spec_window(before, after) if before is not None and after is not None else None
-            if window is not None:
-                windows.append(window)
-            for record in outcome.records:
-                records.append(record.to_dict())
-            if window is not None or before is None:  # the timings cover the same requests as the counters
-                timed.extend(outcome.records)
-            result["phases"].append({"name": phase_name, "wall_s": time.perf_counter() - phase_start, "failed": sum(not r.ok for r in outcome.records)})
-            failed = [r for r in outcome.records if not r.ok]
-            if after_phase is not None:
-                after_phase(name, phase_name, endpoint)
-            if failed and (not endpoint.alive() or not await _healthy(http, endpoint.url)):
-                raise ServerDied(f"{endpoint.exit_description()} during phase '{phase_name}' "
-                                 f"({len(failed)}/{len(outcome.records)} requests failed: {failed[0].error})")
-            if not endpoint.alive():
-                raise ServerDied(f"{endpoint.exit_description()} after phase '{phase_name}'")
-            return outcome, window
-
-        def closed(specs: list, concurrency: int, phase_name: str) -> Callable[[], Any]:
-            return lambda: gate_client.closed_loop(client, specs, concurrency, config=name, phase=phase_name, on_done=lambda _: advance(1))
-
-        warm = [gate_client.RequestSpec("warmup", "warmup", "Hello", 4)]
-        await phase("warmup", closed(warm, 1, "warmup"))
-        level1_records: list[gate_client.RequestRecord] = []
-        level1_wall, level1_windows = 0.0, []
-        for category, specs in plan.c1_by_category.items():
-            outcome, window = await phase(f"c1:{category}", closed(specs, 1, f"c1:{category}"))
-            level1_records += outcome.records
-            level1_wall += outcome.wall_s
-            result["per_category"][category] = window.to_dict() if window else None
-            result["per_category_latency"][category] = gate_client.summarise(outcome)
-            if window:
-                level1_windows.append(window)
-            result["greedy"].update({r.prompt_id: r.text for r in outcome.ok})
-        level = gate_client.summarise(gate_client.PhaseResult(level1_records, level1_wall))
-        level.update(concurrency=1, spec=prom.merge_windows(level1_windows).to_dict() if level1_windows else None)
-        result["sweep"].append(level)
-        for concurrency in [c for c in options.concurrency if c != 1]:
-            outcome, window = await phase(f"c{concurrency}", closed(plan.load, concurrency, f"c{concurrency}"))
-            level = gate_client.summarise(outcome)
-            level.update(concurrency=concurrency, spec=window.to_dict() if window else None)
-            result["sweep"].append(level)
-        outcome, window = await phase("poisson", lambda: gate_client.open_loop(
-            client, plan.poisson, options.qps, config=name, phase="poisson", seed=options.seed, on_done=lambda _: advance(1)))
-        result["poisson"] = {**gate_client.summarise(outcome), "qps": options.qps, "spec": window.to_dict() if window else None}
-        outcome, _ = await phase("math", closed(plan.math, max(options.concurrency), "math"))
-        result["math_outputs"] = {r.prompt_id: r.text for r in outcome.ok}
-        outcome, _ = await phase("sample", closed(plan.sample, max(options.concurrency), "sample"))
-        result["samples"] = {r.prompt_id: r.text for r in outcome.ok}
+        await _run_phases(phases, client, plan, options, advance)
     except ServerDied as exc:
         result["failure"] = str(exc)
     finally:
         snapshot = await _scrape(http, endpoint.metrics_url)
-        result["spec_total"] = prom.merge_windows(windows).to_dict() if windows else None
-        result["timings_total"] = gate_client.sum_timings(timed)
-        rss = endpoint.peak_rss_mib()
-        gpu = gpu_memory_mib(endpoint.process.pid if endpoint.process else None)
-        result["memory"] = {
-            "peak_rss_mib": rss, "mem_total_mib": mem_total_mib() if endpoint.process else None,
-            "gpu_memory_used_mib": gpu["used"] if gpu else None, "gpu_memory_total_mib": gpu["total"] if gpu else None,
-            "kv_slots_total": snapshot.kv_slots_total if snapshot else None,
-            "preemptions": snapshot.preemptions if snapshot else None,
-        }
+        result["spec_total"] = prom.merge_windows(phases.windows).to_dict() if phases.windows else None
+        result["timings_total"] = gate_client.sum_timings(phases.timed)
+        result["memory"] = _memory(endpoint, snapshot)
         await client.close()
         await http.aclose()
+
+
+class _Phases:
+    """Runs one endpoint's phases: each between two scrapes of its metrics, its records kept, the server checked."""
+
+    def __init__(self, endpoint: Endpoint, http: Any, result: dict[str, Any], records: list[dict], after_phase: PhaseHook | None) -> None:
+        self.endpoint, self.http, self.result, self.records, self.after_phase = endpoint, http, result, records, after_phase
+        self.windows: list[prom.SpecWindow] = []  # the speculation counters' deltas, one per phase that has them
+        self.timed: list[gate_client.RequestRecord] = []  # the records whose timings cover the same requests as the counters
+
+    async def run(self, phase_name: str, run: Callable[[], Any]) -> tuple[gate_client.PhaseResult, prom.SpecWindow | None]:
+        """Run one phase; ServerDied if the server died during it or after it."""
+        endpoint = self.endpoint
+        before = await _scrape(self.http, endpoint.metrics_url)
+        phase_start = time.perf_counter()
+        outcome = await run()
+        after = await _scrape(self.http, endpoint.metrics_url)
+        window = prom.spec_window(before, after) if before is not None and after is not None else None
+        if window is not None:
+            self.windows.append(window)
+        for record in outcome.records:
+            self.records.append(record.to_dict())
+        if window is not None or before is None:  # the timings cover the same requests as the counters
+            self.timed.extend(outcome.records)
+        self.result["phases"].append({"name": phase_name, "wall_s": time.perf_counter() - phase_start, "failed": sum(not r.ok for r in outcome.records)})
+        failed = [r for r in outcome.records if not r.ok]
+        if self.after_phase is not None:
+            self.after_phase(endpoint.name, phase_name, endpoint)
+        if failed and (not endpoint.alive() or not await _healthy(self.http, endpoint.url)):
+            raise ServerDied(f"{endpoint.exit_description()} during phase '{phase_name}' "
+                             f"({len(failed)}/{len(outcome.records)} requests failed: {failed[0].error})")
+        if not endpoint.alive():
+            raise ServerDied(f"{endpoint.exit_description()} after phase '{phase_name}'")
+        return outcome, window
+
+
+async def _run_phases(phases: _Phases, client: Any, plan: Plan, options: GateOptions, advance: Callable[[int], None]) -> None:
+    """warmup, concurrency 1 per category, the other concurrency levels, poisson, math and sample, into phases.result."""
+    name, result = phases.endpoint.name, phases.result
+
+    def closed(specs: list, concurrency: int, phase_name: str) -> Callable[[], Any]:
+        return lambda: gate_client.closed_loop(client, specs, concurrency, config=name, phase=phase_name, on_done=lambda _: advance(1))
+
+    warm = [gate_client.RequestSpec("warmup", "warmup", "Hello", 4)]
+    await phases.run("warmup", closed(warm, 1, "warmup"))
+    level1_records: list[gate_client.RequestRecord] = []
+    level1_wall, level1_windows = 0.0, []
+    for category, specs in plan.c1_by_category.items():
+        outcome, window = await phases.run(f"c1:{category}", closed(specs, 1, f"c1:{category}"))
+        level1_records += outcome.records
+        level1_wall += outcome.wall_s
+        result["per_category"][category] = window.to_dict() if window else None
+        result["per_category_latency"][category] = gate_client.summarise(outcome)
+        if window:
+            level1_windows.append(window)
+        result["greedy"].update({r.prompt_id: r.text for r in outcome.ok})
+    level = gate_client.summarise(gate_client.PhaseResult(level1_records, level1_wall))
+    level.update(concurrency=1, spec=prom.merge_windows(level1_windows).to_dict() if level1_windows else None)
+    result["sweep"].append(level)
+    for concurrency in [c for c in options.concurrency if c != 1]:
+        outcome, window = await phases.run(f"c{concurrency}", closed(plan.load, concurrency, f"c{concurrency}"))
+        level = gate_client.summarise(outcome)
+        level.update(concurrency=concurrency, spec=window.to_dict() if window else None)
+        result["sweep"].append(level)
+    outcome, window = await phases.run("poisson", lambda: gate_client.open_loop(
+        client, plan.poisson, options.qps, config=name, phase="poisson", seed=options.seed, on_done=lambda _: advance(1)))
+    result["poisson"] = {**gate_client.summarise(outcome), "qps": options.qps, "spec": window.to_dict() if window else None}
+    outcome, _ = await phases.run("math", closed(plan.math, max(options.concurrency), "math"))
+    result["math_outputs"] = {r.prompt_id: r.text for r in outcome.ok}
+    outcome, _ = await phases.run("sample", closed(plan.sample, max(options.concurrency), "sample"))
+    result["samples"] = {r.prompt_id: r.text for r in outcome.ok}
+
+
+def _memory(endpoint: Endpoint, snapshot: Any) -> dict[str, Any]:
+    """The server's peak RSS, the machine's RAM, GPU memory used / total and the KV slots and preemptions counters."""
+    rss = endpoint.peak_rss_mib()
+    gpu = gpu_memory_mib(endpoint.process.pid if endpoint.process else None)
+    return {
+        "peak_rss_mib": rss, "mem_total_mib": mem_total_mib() if endpoint.process else None,
+        "gpu_memory_used_mib": gpu["used"] if gpu else None, "gpu_memory_total_mib": gpu["total"] if gpu else None,
+        "kv_slots_total": snapshot.kv_slots_total if snapshot else None,
+        "preemptions": snapshot.preemptions if snapshot else None,
+    }
 
 
 class ServerDied(RuntimeError):

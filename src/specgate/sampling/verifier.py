@@ -468,25 +468,9 @@ def rejection_sample_logits(
         raise ValueError(f"temperature={temperature!r} is out of range: use a value > 0 (greedy: greedy_verify)")
     batch, positions, vocab_size = target_logits.shape if target_logits.dim() == 3 else (0, 0, 0)
     if validate:
-        if target_logits.dim() != 3:
-            raise ValueError(f"target_logits has shape {_shape(target_logits)}; expected [B, G+1, V]")
-        valid = validate_draft_inputs(draft_tokens, num_draft_tokens, vocab_size)
-        if (batch, positions) != (draft_tokens.shape[0], draft_tokens.shape[1] + 1):
-            raise ValueError(
-                f"target_logits has shape {_shape(target_logits)} but draft_tokens has shape "
-                f"{_shape(draft_tokens)}; target_logits must be [B, G+1, V] = [{draft_tokens.shape[0]}, "
-                f"{draft_tokens.shape[1] + 1}, V]"
-            )
-        if draft_probs is not None:
-            if tuple(draft_probs.shape) != (batch, positions - 1, vocab_size):
-                raise ValueError(
-                    f"draft_probs has shape {_shape(draft_probs)} but target_logits has shape "
-                    f"{_shape(target_logits)}; draft_probs must be [B, G, V] (or None for token-only proposers)"
-                )
-            validate_probs("draft_probs", draft_probs, valid)
+        _validate_logits_inputs(draft_tokens, num_draft_tokens, draft_probs, target_logits)
     gamma = positions - 1
     logits = target_logits.float().contiguous()
-    q_values = None if draft_probs is None else draft_probs.reshape(-1)  # flat view for scalar gathers
     logits_flat = logits.reshape(batch * positions, vocab_size)  # [B*(G+1), V]
     row_max = logits.amax(-1)  # [B, G+1]
     if validate:
@@ -494,6 +478,65 @@ def rejection_sample_logits(
     accept_u, sample_u = draw_uniforms(num_draft_tokens, gamma, generators)
     valid = torch.arange(gamma, device=draft_tokens.device)[None, :] < num_draft_tokens[:, None]  # [B, G]
     safe_tokens = torch.where(valid, draft_tokens, 0).long()  # [B, G]
+    num_accepted, log_norm = _accept_from_logits(
+        logits_flat, row_max, safe_tokens, num_draft_tokens, draft_probs, accept_u, temperature
+    )
+    rows = torch.arange(batch)
+    stop_rows = rows * positions + num_accepted
+    p_stop = logits_flat.index_select(0, stop_rows)  # [B, V] the only full probability rows needed
+    p_stop.sub_(row_max.view(-1)[stop_rows, None])
+    if temperature != 1.0:
+        p_stop.div_(temperature)
+    p_stop.exp_()
+    p_stop.div_(log_norm.view(-1)[stop_rows].exp().float()[:, None])
+    q_positions = num_accepted.clamp(max=max(gamma - 1, 0))
+    removed = safe_tokens.gather(1, q_positions[:, None]).squeeze(1) if gamma else torch.zeros_like(rows)
+    q_flat = None if draft_probs is None else draft_probs.reshape(batch * gamma, vocab_size)
+    final = sample_from_rows(
+        p_stop, rows, q_flat, rows * gamma + q_positions, removed, num_accepted < num_draft_tokens, sample_u
+    )
+    return assemble_output(draft_tokens, num_accepted, final, lossless=True, mode="exact")
+
+
+def _validate_logits_inputs(draft_tokens: Tensor, num_draft_tokens: Tensor, draft_probs: Tensor | None, target_logits: Tensor) -> None:
+    """rejection_sample_logits' shape and value checks: target_logits [B, G+1, V], draft_probs [B, G, V] or None."""
+    if target_logits.dim() != 3:
+        raise ValueError(f"target_logits has shape {_shape(target_logits)}; expected [B, G+1, V]")
+    batch, positions, vocab_size = target_logits.shape
+    valid = validate_draft_inputs(draft_tokens, num_draft_tokens, vocab_size)
+    if (batch, positions) != (draft_tokens.shape[0], draft_tokens.shape[1] + 1):
+        raise ValueError(
+            f"target_logits has shape {_shape(target_logits)} but draft_tokens has shape "
+            f"{_shape(draft_tokens)}; target_logits must be [B, G+1, V] = [{draft_tokens.shape[0]}, "
+            f"{draft_tokens.shape[1] + 1}, V]"
+        )
+    if draft_probs is not None:
+        if tuple(draft_probs.shape) != (batch, positions - 1, vocab_size):
+            raise ValueError(
+                f"draft_probs has shape {_shape(draft_probs)} but target_logits has shape "
+                f"{_shape(target_logits)}; draft_probs must be [B, G, V] (or None for token-only proposers)"
+            )
+        validate_probs("draft_probs", draft_probs, valid)
+
+
+def _accept_from_logits(
+    logits_flat: Tensor,
+    row_max: Tensor,
+    safe_tokens: Tensor,
+    num_draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    accept_u: Tensor,
+    temperature: float,
+) -> tuple[Tensor, Tensor]:
+    """The accept / reject loop over positions: a draft x at position i is accepted iff u * q(x) < p(x), p the
+    target's softmax at the temperature, whose normaliser is computed only for rows still verifying.
+
+    logits_flat `# [B*(G+1), V]`, row_max `# [B, G+1]`, safe_tokens `# [B, G]` (drafts, 0 past n_b), accept_u
+    `# [B, G]` -> (num_accepted `# [B]`, log_norm `# [B, G+1]` float64, log Z filled where it was needed).
+    """
+    batch, positions = row_max.shape
+    gamma, vocab_size = positions - 1, logits_flat.shape[1]
+    q_values = None if draft_probs is None else draft_probs.reshape(-1)  # flat view for scalar gathers
     log_norm = torch.zeros(batch, positions, dtype=torch.float64)  # [B, G+1] log Z, filled where needed
     num_accepted = torch.zeros(batch, dtype=torch.int64)
     verifying = torch.ones(batch, dtype=torch.bool)  # drafts 0..i-1 accepted and i <= n_b
@@ -513,21 +556,7 @@ def rejection_sample_logits(
             accepted = accept_u[testing, i] * q_x < p_x
             num_accepted[testing[accepted]] += 1
             verifying[testing[~accepted]] = False
-    rows = torch.arange(batch)
-    stop_rows = rows * positions + num_accepted
-    p_stop = logits_flat.index_select(0, stop_rows)  # [B, V] the only full probability rows needed
-    p_stop.sub_(row_max.view(-1)[stop_rows, None])
-    if temperature != 1.0:
-        p_stop.div_(temperature)
-    p_stop.exp_()
-    p_stop.div_(log_norm.view(-1)[stop_rows].exp().float()[:, None])
-    q_positions = num_accepted.clamp(max=max(gamma - 1, 0))
-    removed = safe_tokens.gather(1, q_positions[:, None]).squeeze(1) if gamma else torch.zeros_like(rows)
-    q_flat = None if draft_probs is None else draft_probs.reshape(batch * gamma, vocab_size)
-    final = sample_from_rows(
-        p_stop, rows, q_flat, rows * gamma + q_positions, removed, num_accepted < num_draft_tokens, sample_u
-    )
-    return assemble_output(draft_tokens, num_accepted, final, lossless=True, mode="exact")
+    return num_accepted, log_norm
 
 
 def fast_argmax(logits: Tensor) -> Tensor:
