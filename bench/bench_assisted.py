@@ -11,7 +11,7 @@ candidate_generator.py):
 None takes an assistant that shares the target's tokenizer but has a reduced head with an id map (the default
 draft's `d2t`, EAGLE-3 / FR-Spec style): its ids 0..12,287 would be read as Gemma ids 0..12,287.
 
-So the same draft runs in both libraries as a full-vocabulary copy written at bench time (expand_draft_vocabulary):
+So the same draft runs in both libraries as a full-vocabulary copy written at bench time (specgate.bench.assisted.expand_draft_vocabulary):
 its tied embedding/head has the target's 262,144 rows; row t is the draft's row of token t when the draft has t,
 else the draft's `<unk>` row. Inputs: the own drafter feeds a token outside its vocabulary as `<unk>`; the copy's
 row of that token IS the `<unk>` row, so both compute the same hidden states. Outputs: a token outside the draft
@@ -50,8 +50,9 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from specgate.bench.assisted import expand_draft_vocabulary
+from specgate.bench.workloads import held_out_prompts
 from specgate.drafting import NoDrafter, make_drafter
-from specgate.drafting.model_drafter import ModelDrafter
 from specgate.engine import generate
 from specgate.models import load_model
 from specgate.sampling import SamplingParams
@@ -62,43 +63,6 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 # --- the same draft in both libraries -----------------------------------------------------------------------------
-
-
-def expand_draft_vocabulary(drafter: ModelDrafter, target: Any, out_dir: Path) -> Path:
-    """Write a full-vocabulary copy of a reduced-vocabulary draft (HF layout + the target's tokenizer) to out_dir.
-
-    The copy's tied embedding/head row of target id t is the draft's row of t2d[t] (the draft's own row, or the row
-    the drafter feeds for tokens it lacks): same hidden states, and every token the draft lacks gets exactly that
-    fallback row's logit. Greedy drafts stay identical when each such id is larger than the fallback's target id,
-    because argmax returns the first maximal index; that is checked here.
-    """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    draft_dir = Path(drafter.draft.path)
-    config = json.loads((draft_dir / "config.json").read_text())
-    if not config.get("tie_word_embeddings", True):
-        raise ValueError(f"draft '{draft_dir}': tie_word_embeddings={config['tie_word_embeddings']}; expand_draft_vocabulary handles a tied head only")
-    target_vocab = int(target.model.vocab_size)
-    unmapped = torch.ones(target_vocab, dtype=torch.bool)  # [V_t]
-    unmapped[drafter.d2t] = False
-    fallback_target_id = int(drafter.d2t[drafter.t2d[int(unmapped.nonzero()[0])]]) if bool(unmapped.any()) else -1
-    if bool(unmapped.any()) and int(unmapped.nonzero()[0]) < fallback_target_id:
-        raise ValueError(
-            f"target id {int(unmapped.nonzero()[0])} is outside the draft vocabulary but below its fallback token "
-            f"{fallback_target_id}: argmax ties would pick it, so the full-vocabulary copy would not draft alike"
-        )
-    with safe_open(str(draft_dir / "model.safetensors"), framework="pt") as handle:
-        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-    embedding_key = next(key for key in tensors if key.endswith("embed_tokens.weight"))
-    tensors[embedding_key] = tensors[embedding_key][drafter.t2d].contiguous()  # [V_t, H]: row t = draft row t2d[t]
-    tensors.pop("lm_head.weight", None)  # tied: the head is the embedding
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config.update(vocab_size=target_vocab, tie_word_embeddings=True)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    target.tokenizer.save_pretrained(str(out_dir))  # same tokenizer: both libraries load the dir as it is
-    return out_dir
 
 
 def set_assistant_policy(assistant: Any, num_tokens: int, confidence_threshold: float) -> None:
@@ -241,8 +205,6 @@ def main() -> None:
     gammas = [int(g) for g in args.gammas.split(",")]
     if any(g < 1 for g in gammas):
         parser.error(f"--gammas {args.gammas}: every draft length must be >= 1")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_draft import prompts as held_out_prompts  # the default draft's held-out code and prose prompts
     from transformers import AutoModelForCausalLM
 
     if args.dtype not in ("float32", "bfloat16"):

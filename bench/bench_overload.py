@@ -15,7 +15,7 @@ Checks (all must hold for PASS):
   - afterwards /metrics shows 0 running, 0 waiting and 0 KV slots in use;
   - SIGTERM then drains the idle server and it exits 0.
 Run it under the shared lock (it loads Gemma and keeps both cores busy for ~3 minutes):
-    flock /tmp/specgate-heavy.lock .venv/bin/python bench/bench_overload.py --json-out bench/out/overload.json
+    flock /tmp/specgate-heavy.lock .venv/bin/python bench/bench_overload.py --json-out out/overload.json
 Quick check of the script on a small model:
     .venv/bin/python bench/bench_overload.py --target PATH --capacity-s 5 --duration-s 10
 """

@@ -5,7 +5,7 @@ Run: flock /tmp/specgate-heavy.lock .venv/bin/python bench/bench_rows.py [--shap
 Why: a serving step at concurrency B verifying gamma drafts per request scores B x (gamma + 1) tokens in one
 forward. Up to 64 real tokens the runtime ran the whole decoder stack as one C call; past 64 every layer went back
 to torch ops, where each bf16 weight is upcast to float32 in chunks before a float32 GEMM. On Gemma-3-270M that
-doubled a step for 25% more rows (the calibration in bench/out/slices_run18/log.txt: batch 16 x 4 tokens 259 ms,
+doubled a step for 25% more rows (the serving calibration of 2026-12-01, docs/BENCHMARKS.md: batch 16 x 4 tokens 259 ms,
 x 5 tokens 538 ms; batch 8 x 8 252 ms, x 9 543 ms), so fixed gamma 4 at concurrency 16 and gamma 8 at 8 ran
 into a cliff that is the runtime's, not speculation's.
 
