@@ -171,3 +171,97 @@ def perf_summary(runs: list[tuple[str, dict]]) -> list[str]:
             lines += ["", "V(t), median over repeats: " + ", ".join(f"t={t + 1} {statistics.median([x[t] for x in v]):.2f}" for t in range(len(v[0])))]
         lines.append("")
     return lines
+
+
+# --- one bench_perf.py report -------------------------------------------------------------------------------------
+
+
+def perf_header_lines(report: dict) -> list[str]:
+    """The machine and the bandwidth probe."""
+    m = report["machine"]
+    lines = [f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['cpu_capability']}), {m['threads']} threads, "
+             f"native bf16: {m['native_bf16']}, default_dtype: {m['default_dtype']}, load {m['load_average_start']} -> {report['load_average_end']}"]
+    if "bandwidth" in report:
+        b = report["bandwidth"]
+        lines.append(f"bandwidth probe ({b['megabytes']} MB): read {b['read_gb_s']:.1f} GB/s (torch sum {b['torch_sum_read_gb_s']:.1f}, "
+                     f"AVX2 sum {b.get('native_read_gb_s', float('nan')):.1f}, with prefetch {b.get('native_prefetch_read_gb_s', float('nan')):.1f}), "
+                     f"copy {b['copy_gb_s']:.1f} GB/s\n")
+    return lines
+
+
+def perf_floor_lines(rows: list[tuple[str, dict]]) -> list[str]:
+    """Per dtype the floor's medians over rounds, then its per-round ratios and the products alone."""
+    floors = [(d, r["floor"]) for d, r in rows if r.get("floor") and "floor_ms" in r["floor"]]
+    if not any("floor" in r for _, r in rows):
+        return []
+    lines = ["Medians over rounds (each round: probe, then the steps, back to back):",
+             "| dtype | MB read per step | read GB/s | floor ms | step ms | step / floor | achieved GB/s | verify / step | "
+             "torch-path step ms | torch path / C path | torch-path verify / step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d, f in floors:
+        lines.append(f"| {d} | {f['bytes_per_step']['total'] / 1e6:.0f} | {f['read_gb_s']:.1f} | {f['floor_ms']:.1f} | {f['step_ms']:.1f} | "
+                     f"{f['step_over_floor']:.2f}x | {f['achieved_gb_s']:.1f} | {f['verify_over_step']:.2f}x | "
+                     f"{f['torch_path_step_ms']:.1f} | {f['torch_path_over_c_path']:.2f}x | {f['torch_path_verify_over_step']:.2f}x |")
+    for d, f in floors:
+        lines.append(f"{d}: step / floor per round: " + ", ".join(f"{row['step_over_floor']:.2f}x" for row in f["rounds"]) +
+                     "; verify / step per round: " + ", ".join(f"{row['verify_over_step']:.2f}x" for row in f["rounds"]))
+        if f.get("products_ms") is not None:
+            lines.append(f"{d}: the step's products alone, one by one: {f['products_ms']:.1f} ms of the {f['step_ms']:.1f} ms step "
+                         f"(the rest, {f['step_ms'] - f['products_ms']:.1f} ms: norms, RoPE, attention, embedding, dispatch)")
+    return lines + [""]
+
+
+def perf_theory_lines(d: str, r: dict) -> list[str]:
+    """One dtype's verification cost V(t) and each theory lane: measured against predicted."""
+    lines = []
+    if "verification_cost" in r:
+        v = r["verification_cost"]
+        lines.append(f"{d}: verification cost V(t) at position {v['position']}: " +
+                     ", ".join(f"t={t} {ms:.1f} ms ({ratio:.2f}x)" for t, ms, ratio in zip(v["tokens"], v["ms"], v["over_one_token"])))
+    for lane, t in r.get("theory", {}).items():
+        p, m = t["predicted"], t["measured"]
+        lines += [f"{d}: theory, {lane} (gamma {t['gamma']}): alpha {t['alpha']:.3f} (AR {t['acceptance_rate']:.3f}), c {t['c']:.4f}, "
+                  f"AL {t['acceptance_length']:.2f} vs E[T] {t['expected_tokens_at_gamma']:.2f}, mean draft length {t['mean_draft_length']:.2f}, "
+                  f"steps by draft length {t['steps_by_draft_length']}",
+                  f"{d}:   measured speedup: decode phase {m['decode_phase']:.2f}x, end to end {m['end_to_end']:.2f}x; predicted: "
+                  f"Leviathan {p['leviathan']:.2f}x, over the lengths that ran {p['lengths']:.2f}x, and with V(t) {p['lengths_and_verify_cost']:.2f}x",
+                  f"{d}:   decode phase / predicted: " + ", ".join(f"{k} {v:.2f}" for k, v in t["decode_phase_over_predicted"].items()) +
+                  "; end to end / predicted: " + ", ".join(f"{k} {v:.2f}" for k, v in t["end_to_end_over_predicted"].items())]
+    return lines
+
+
+def perf_lane_lines(rows: list[tuple[str, dict]]) -> list[str]:
+    """Tokens/s per dtype and lane, then per dtype the ratios, same-token checks and the theory."""
+    laned = [(d, r) for d, r in rows if "lanes" in r]
+    if not laned:
+        return []
+    names = list(laned[0][1]["lanes"])
+    lines = ["| dtype | " + " | ".join(f"{n} tok/s" for n in names) + " |", "|---|" + "---|" * len(names)]
+    lines += [f"| {d} | " + " | ".join(f"{r['lanes'][n]['tokens_per_s']:.1f}" for n in names) + " |" for d, r in laned]
+    lines.append("")
+    for d, r in laned:
+        lines += [f"{d}: " + "; ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items()),
+                  f"{d}: by CPU seconds: " + "; ".join(f"{k} {v:.2f}x" for k, v in r["cpu_time_ratios"].items()),
+                  f"{d}: same tokens as own baseline: " + ", ".join(f"{n} {r['lanes'][n]['same_tokens_as_own_baseline']}" for n in names)]
+        lines += perf_theory_lines(d, r)
+    return lines + [""]
+
+
+def perf_product_lines(report: dict) -> list[str]:
+    """The head and layer products: median ms per row count and formulation."""
+    lines = []
+    for section in ("head", "layers"):
+        if report.get(section):
+            names = [name for name in ("f_linear_ms", "onednn_ms", "native_ms", "native_bf16_ms") if name in report[section][0]]
+            lines += [f"{section}:\n| rows | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+            lines += [f"| {row['rows']} | " + " | ".join(f"{row[name]:.1f}" for name in names) + " |" for row in report[section]]
+            lines.append("")
+    return lines
+
+
+def perf_report(report: dict) -> list[str]:
+    """Markdown of one bench_perf.py report: machine, probe, floor, lanes and theory, products, make demo's RSS."""
+    rows = list(report["dtypes"].items())
+    lines = perf_header_lines(report) + perf_floor_lines(rows) + perf_lane_lines(rows) + perf_product_lines(report)
+    return lines + [f"demo peak RSS {row['peak_rss_mib']:.0f} MiB (exit {row['exit_status']}, {row.get('wall')}): {row['command']}"
+                    for row in report.get("demo_rss", [])]
