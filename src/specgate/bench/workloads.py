@@ -1,5 +1,6 @@
-"""Benchmark prompts: the serving workloads (short prompts a closed loop cycles through) and the default draft's
-held-out code and prose prompts (none of them in the draft's training text, docs/DRAFT_MODEL.md)."""
+"""Benchmark prompts: the serving workloads (short prompts a closed loop cycles through), the overload test's
+pool, the single-request engine benchmark's input-grounded prompts, and the default draft's held-out code and prose
+prompts (none of them in the draft's training text, docs/DRAFT_MODEL.md)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,45 @@ SERVING_PROMPTS = {
         "What are the main causes of inflation, and how do central banks respond?",
         "Describe your ideal weekend in the mountains, hour by hour.",
     ],
+}
+
+OVERLOAD_PROMPTS = [
+    "Copy the list exactly.\nList: apple, banana, cherry, damson, elderberry, fig, grape, honeydew, kiwi, lemon.\nCopy: apple,",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue in two sentences.",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+]
+
+_ENGINE_CODE = '''def moving_average(values, window):
+    """Return the moving averages of `values` over `window` items."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    averages = []
+    total = 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        if index >= window - 1:
+            averages.append(total / window)
+    return averages
+'''
+_ENGINE_PARAGRAPH = (
+    "Speculative decoding lets a small draft model propose several tokens, which the large target model then "
+    "checks in a single forward pass. Every proposed token the target agrees with is kept, and the first "
+    "disagreement is replaced by a token sampled from a corrected distribution, so the output follows exactly "
+    "the distribution the target alone would produce. The method pays off only when the draft is cheap and "
+    "its guesses are often right."
+)
+ENGINE_PROMPTS = {  # input-grounded: the answer is in the prompt (a rename, a copy)
+    "rewrite code (rename a variable)": (
+        "Here is a Python function:\n\n```python\n" + _ENGINE_CODE + "```\n\n"
+        "Here is the same function with the variable `total` renamed to `running_sum`:\n\n```python\n"
+    ),
+    "quote text": (
+        "Read the paragraph below and then copy it word for word.\n\nParagraph:\n" + _ENGINE_PARAGRAPH + "\n\nCopy:\n"
+    ),
 }
 
 FRESH_CODE = '''def merge_intervals(intervals):
