@@ -223,24 +223,6 @@ def pytest_terminal_summary(terminalreporter) -> None:
             terminalreporter.write_line(line)
 
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def load_bench(name: str):
-    """A bench/ script as a module (bench/ on sys.path while it loads: the scripts import each other)."""
-    import importlib.util
-    import sys
-
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 class StepGate:
     """Holds a scheduler's model thread inside a step until the test opens the gate (an event, not a timer).
 

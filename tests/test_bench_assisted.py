@@ -1,6 +1,6 @@
-"""bench/bench_assisted.py's full-vocabulary copy of a reduced-vocabulary draft drafts the same greedy tokens.
+"""specgate.bench.assisted's full-vocabulary copy of a reduced-vocabulary draft drafts the same greedy tokens.
 
-The bench runs the default draft under transformers' assisted generation as a copy whose embedding/head has every
+bench/bench_assisted.py runs the default draft under transformers' assisted generation as a copy whose embedding/head has every
 target row (the draft's row, or its <unk> row for tokens it lacks). Here, on a tiny Gemma-3 target (vocabulary 512)
 and a 1-layer draft over 128 of its tokens, with the <unk> row scaled (x0.8) so that <unk> wins the argmax in some
 drafts and not in others (the tie case the copy relies on; the smallest top-1/top-2 logit gap is 0.0065, far above
@@ -11,7 +11,6 @@ control: the naive copy (draft rows scattered, zeros elsewhere) drafts different
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from specgate.bench.assisted import expand_draft_vocabulary
 from specgate.drafting import distill, make_drafter
 from specgate.models import load_model
 from specgate.sampling import SamplingParams
@@ -29,16 +29,6 @@ from conftest import recipe_draft_info
 GREEDY = SamplingParams(temperature=0.0)
 GAMMA = 4
 UNK = 3
-
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_assisted", Path(__file__).resolve().parent.parent / "bench" / "bench_assisted.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench_module()
 
 
 def write_reduced_draft(target, out_dir: Path, d2t: torch.Tensor, unk_scale: float = 1.0) -> Path:
@@ -83,7 +73,7 @@ def contexts(tiny_target):
 
 
 def test_full_vocabulary_copy_drafts_the_same_greedy_tokens_in_both_runtimes(tiny_target, reduced_draft, contexts, tmp_path):
-    full_dir = bench.expand_draft_vocabulary(reduced_draft, tiny_target, tmp_path / "full")
+    full_dir = expand_draft_vocabulary(reduced_draft, tiny_target, tmp_path / "full")
     reduced_tokens, _ = reduced_draft.sample_batch(contexts, GAMMA, GREEDY, None)  # [B, G]
     full_tokens, _ = make_drafter(str(full_dir), tiny_target).sample_batch(contexts, GAMMA, GREEDY, None)  # [B, G]
     hf_tokens = hf_greedy_drafts(full_dir, contexts, GAMMA)  # [B, G]
@@ -97,7 +87,7 @@ def test_full_vocabulary_copy_drafts_the_same_greedy_tokens_in_both_runtimes(tin
 
 def test_naive_scatter_with_zero_rows_drafts_differently(tiny_target, reduced_draft, contexts, tmp_path):
     """Negative control: draft rows at their target ids and zeros elsewhere is NOT the same draft."""
-    full_dir = bench.expand_draft_vocabulary(reduced_draft, tiny_target, tmp_path / "full")
+    full_dir = expand_draft_vocabulary(reduced_draft, tiny_target, tmp_path / "full")
     naive_dir = tmp_path / "naive"
     shutil.copytree(full_dir, naive_dir)
     tensors = load_file(str(naive_dir / "model.safetensors"))
@@ -114,5 +104,5 @@ def test_a_token_outside_the_draft_vocabulary_below_the_fallback_is_refused(tiny
     d2t = torch.tensor([0, 2, 3, *range(10, 71)])  # bos (1) is missing and lies below the <unk> fallback (3)
     drafter = make_drafter(str(write_reduced_draft(tiny_target, tmp_path / "draft", d2t)), tiny_target)
     with pytest.raises(ValueError, match="below its fallback token 3"):
-        bench.expand_draft_vocabulary(drafter, tiny_target, tmp_path / "full")
+        expand_draft_vocabulary(drafter, tiny_target, tmp_path / "full")
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["vocab_size"] == 64

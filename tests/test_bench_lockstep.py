@@ -1,4 +1,4 @@
-"""bench/bench_lockstep.py: every lane its own server, stepped in turn, each timed on its own clock.
+"""specgate.bench.lockstep: every lane its own server, stepped in turn, each timed on its own clock.
 
 What would break the benchmark, and the test that catches it:
 - a lane's latencies read off the shared wall clock (they would include the other lanes' steps): Lane.step on a
@@ -12,13 +12,19 @@ What would break the benchmark, and the test that catches it:
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_bench
+from rich.console import Console
 
-load = load_bench
+from specgate.bench import judges, lockstep, tables
+from specgate.bench.clients import ClosedLoop
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class FakeClock:
@@ -57,11 +63,10 @@ class StandInLoop:
 
 
 def test_a_lane_times_its_requests_on_its_own_clock(monkeypatch):
-    bench = load("bench_lockstep")
     clock = FakeClock()
-    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    monkeypatch.setattr(lockstep.time, "perf_counter", clock)
     loop = StandInLoop()
-    lane = bench.Lane("fixed g=2", StandInScheduler(clock, loop, step_s=0.050, emitted=3), loop)
+    lane = lockstep.Lane("fixed g=2", StandInScheduler(clock, loop, step_s=0.050, emitted=3), loop)
     for _ in range(4):
         lane.step()
         clock.now += 0.200  # another lane's step: the shared wall clock moves, this lane's does not
@@ -85,12 +90,11 @@ def test_sequenced_clients_send_the_kth_prompt_whichever_client_sends_it(tiny_mo
     from specgate.models import load_model
     from specgate.serving import OffPolicy, Scheduler
 
-    slices = load("bench_slices")
     target = load_model(str(tiny_model_dir("llama")))
     prompts = [torch.tensor([1, 5 + i, 6 + i, 7 + i]) for i in range(3)]
 
     def sent_in_order(sequenced: bool) -> list[int]:
-        loop = slices.ClosedLoop(Scheduler(target, "ngram", OffPolicy(), num_slots=2, max_seq_len=32), prompts, 2, 4, sequenced=sequenced)
+        loop = ClosedLoop(Scheduler(target, "ngram", OffPolicy(), num_slots=2, max_seq_len=32), prompts, 2, 4, sequenced=sequenced)
         for client in (1, 1, 0, 1):  # clients finish in this order
             loop.submit(client)
         return [index for index, _ in loop.issued.values()]
@@ -102,12 +106,11 @@ def test_sequenced_clients_send_the_kth_prompt_whichever_client_sends_it(tiny_mo
 def test_lockstep_lanes_serve_the_same_requests_and_a_twin_matches_its_setting(tiny_model_dir):
     from specgate.models import load_model
 
-    bench = load("bench_lockstep")
     target = load_model(str(tiny_model_dir("llama")))
     prompts = [torch.cat([torch.tensor([1]), torch.arange(5 + i, 9 + i).repeat(3)]) for i in range(3)]
-    lanes = bench.make_lanes(target, ["off", "fixed=3", "fixed=3#b"], 2, prompts, max_tokens=8, spread=0.5, gamma_max=4, cost_model=None)
+    lanes = lockstep.make_lanes(target, ["off", "fixed=3", "fixed=3#b"], 2, prompts, max_tokens=8, spread=0.5, gamma_max=4, cost_model=None)
     assert [lane.label for lane in lanes] == ["off", "fixed g=3", "fixed g=3 #b"]
-    pieces = bench.run_lockstep(lanes, requests=6, blocks=3, warmup_requests=2)
+    pieces = lockstep.run_lockstep(lanes, requests=6, blocks=3, warmup_requests=2)
     first = list(lanes[0].loop.issued.values())[:8]
     for lane in lanes:
         assert lane.done_up_to(8) == 8 and list(lane.loop.issued.values())[:8] == first  # the same 8 requests, all done
@@ -121,7 +124,7 @@ def test_lockstep_lanes_serve_the_same_requests_and_a_twin_matches_its_setting(t
         assert mine[("fixed g=3 #b", block)]["steps"] == mine[("fixed g=3", block)]["steps"]
         assert mine[("fixed g=3 #b", block)]["widths"] == mine[("fixed g=3", block)]["widths"]
     assert set(mine[("off", 0)]["widths"]) == {0} and max(mine[("fixed g=3", 0)]["widths"]) > 0  # each lane its own policy
-    summary = bench.judge(pieces, [lane.label for lane in lanes], 3)
+    summary = judges.judge(pieces, [lane.label for lane in lanes], 3)
     assert set(summary["lanes"]) == {"off", "fixed g=3"} and "fixed g=3 #b" in summary["twins"]
     assert summary["lanes"]["off"]["ttft_p50_ms"] is not None
 
@@ -132,53 +135,54 @@ def piece(lane: str, block: int, tokens: int, wall_s: float) -> dict:
 
 
 def test_judge_leaves_twins_out_of_the_best_lane_and_controls_with_them():
-    bench = load("bench_lockstep")
     labels = ["fixed g=4", "adaptive", "fixed g=4 #b"]
     pieces = []
     for block in range(4):
         pieces += [piece("fixed g=4", block, 100, 1.0), piece("adaptive", block, 96, 1.0), piece("fixed g=4 #b", block, 110, 1.0)]
-    summary = bench.judge(pieces, labels, 4)
+    summary = judges.judge(pieces, labels, 4)
     assert summary["best_other"] == "fixed g=4"  # the faster twin is not a candidate
     assert summary["ratio"] == pytest.approx(0.96) and summary["met"]
     assert summary["twins"]["fixed g=4 #b"]["ratio"] == pytest.approx(1.10)
     assert summary["lanes"]["adaptive"]["ttft_p50_ms"] == pytest.approx(101.5)
     assert summary["itl_vs_best"]["chunk_p50"] == pytest.approx(1.0)
     wider = [{**p, "itl_chunks": [[60.0, 3]]} if p["lane"] == "adaptive" else p for p in pieces]  # longer steps, more tokens each
-    itl = bench.judge(wider, labels, 4)["itl_vs_best"]
+    itl = judges.judge(wider, labels, 4)["itl_vs_best"]
     assert itl["chunk_p50"] == pytest.approx(1.2) and itl["token_mean"] == pytest.approx(0.8)  # (60 / 3) / (50 / 2)
     assert itl["token_mean_ci95"] == pytest.approx([0.8, 0.8])
     slower = [{**p, "tokens": 94} if p["lane"] == "adaptive" else p for p in pieces]
-    assert not bench.judge(slower, labels, 4)["met"]  # negative control: 0.94 misses
-    text = "\n".join(bench.table({"points": [{"concurrency": 4, "summary": summary}]}))
+    assert not judges.judge(slower, labels, 4)["met"]  # negative control: 0.94 misses
+    text = "\n".join(tables.lane_table({"points": [{"concurrency": 4, "summary": summary}]}))
     assert "control fixed g=4 #b / fixed g=4 = 1.100" in text and "| 4 | adaptive | 96.0 |" in text
 
 
-def test_lockstep_main_end_to_end_and_its_table_judged_again(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """bench_lockstep.py's main on a tiny random model (adaptive calibrated on it), then --table on its results.json:
-    the table is judged again from the kept blocks and says what the run said."""
-    bench = load("bench_lockstep")
-    out = tmp_path / "lockstep"
-    monkeypatch.setattr(sys, "argv", ["bench_lockstep.py", "--target", str(tiny_model_dir("llama")), "--concurrency", "2",
-                                      "--requests", "4", "--blocks", "2", "--max-tokens", "6", "--lanes", "off,fixed=2,adaptive,fixed=2#b", "--out", str(out)])
-    bench.main()
-    record = json.loads((out / "results.json").read_text())
-    (point,) = record["points"]
+def test_lockstep_sweep_end_to_end_and_its_table_judged_again(tiny_model_dir, tmp_path):
+    """lockstep.sweep on a tiny random model (adaptive calibrated on it), written as bench_lockstep.py writes it, then
+    bench_lockstep.py --table on that results.json (the thin command, in a subprocess): the table is judged again
+    from the kept blocks and says what the run said."""
+    from specgate.models import load_model
+    from specgate.serving import calibrate_cost_model
+
+    target = load_model(str(tiny_model_dir("llama")))
+    prompts = [torch.cat([torch.tensor([1]), torch.arange(5 + i, 9 + i).repeat(3)]) for i in range(3)]
+    cost_model = calibrate_cost_model(target.model, None, gamma_max=8)
+    points = lockstep.sweep(target, ["off", "fixed=2", "adaptive", "fixed=2#b"], [2], prompts, requests=4, blocks=2, warmup_requests=0,
+                            max_tokens=6, spread=0.5, gamma_max=8, cost_model=cost_model, console=Console(quiet=True))
+    (point,) = points
     assert point["concurrency"] == 2 and set(point["summary"]["lanes"]) == {"off", "fixed g=2", "adaptive"}
     assert "fixed g=2 #b" in point["summary"]["twins"] and "adaptive" in point["cost_models"]
     assert all(n >= 4 + 4 for n in point["requests_finished"].values())  # warm-up 2 x C, then the measured 4
-    assert (out / "serving_lockstep.png").stat().st_size > 0
-    capsys.readouterr()
-    monkeypatch.setattr(sys, "argv", ["bench_lockstep.py", "--table", str(out / "results.json"), "--plot", str(tmp_path / "again.png")])
-    bench.main()
-    printed = capsys.readouterr().out
     steps = point["shapes"]["fixed g=2"]["2x2"]
-    assert f"| 2 | fixed g=2 | 2x2 | {len(steps)} |" in printed  # the full-batch steps per shape
     assert all(p is not None for shape in point["shapes"]["adaptive"].values() for _, p, _ in shape)  # its plans' prices
-    assert all(p is None for _, p, _ in steps) and (tmp_path / "again.png").stat().st_size > 0
-    assert f"adaptive / best other ({point['summary']['best_other']}) = {point['summary']['ratio']:.3f}x" in printed
-    monkeypatch.setattr(sys, "argv", ["bench_lockstep.py", "--lanes", "fixed=2,fixed=2"])
-    with pytest.raises(SystemExit, match="tag a second server"):
-        bench.main()
+    assert all(p is None for _, p, _ in steps)
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"args": {"blocks": "2"}, "points": points}))
+    shown = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_lockstep.py"), "--table", str(results), "--plot", str(tmp_path / "again.png")],
+                           capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}).stdout
+    assert f"| 2 | fixed g=2 | 2x2 | {len(steps)} |" in shown  # the full-batch steps per shape
+    assert f"adaptive / best other ({point['summary']['best_other']}) = {point['summary']['ratio']:.3f}x" in shown
+    assert (tmp_path / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="tag a second server"):
+        lockstep.lane_labels(["fixed=2", "fixed=2"], 8)
 
 
 class PacedLane:
@@ -203,12 +207,10 @@ class PacedLane:
 
 
 def test_lockstep_waits_for_every_lane_at_each_block_barrier():
-    bench = load("bench_lockstep")
-
     def widest_gap(blocks: int) -> int:
         log, lanes = [], []
         lanes += [PacedLane("fast", 1, log, lanes), PacedLane("slow", 3, log, lanes)]
-        pieces = bench.run_lockstep(lanes, requests=40, blocks=blocks, warmup_requests=4)
+        pieces = lockstep.run_lockstep(lanes, requests=40, blocks=blocks, warmup_requests=4)
         assert [(p["lane"], p["round"]) for p in pieces] == [(lane, b) for lane in ("fast", "slow") for b in range(blocks)]
         assert all(lane.finished() == 44 for lane in lanes)
         return max(abs(fast - slow) for fast, slow in log)

@@ -1,0 +1,97 @@
+"""specgate.bench's measuring code run for real on tiny random models (config from conftest.tiny_config, weights
+random): the floor's byte count by hand, the record shapes of the floor, verification-cost, perf, engine, rows,
+verifier and draft runs, and greedy lanes that must agree token for token (specgate's and transformers' greedy on
+the same weights, n-gram drafts against the baseline). Sizes are tiny: these check the method, not the speed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specgate.bench import draft, engine, floor, perf, rows, verifier
+from specgate.drafting import NgramDrafter, NoDrafter
+from specgate.models import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(str(tiny_model_dir("gemma3")), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny.path), dtype=torch.float32).eval()
+
+
+def test_step_bytes_by_hand(tiny):
+    # tiny gemma3: vocab 512, hidden 64, 2 layers, 4 query / 2 KV heads of 16, MLP 128, tied head, float32
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128 + 4 * 64 + 2 * 16  # q, k+v, o, gate/up/down, 4 norms, q/k norms
+    weights = 4 * (2 * per_layer + 512 * 64 + 64)  # + the tied embedding/head, the final norm
+    nbytes = floor.step_bytes(tiny.model, position=9)
+    assert nbytes["weights"] == weights
+    assert nbytes["kv_cache"] == 2 * 2 * 2 * 16 * 10 * 4  # K and V, layers, KV heads, head_dim, positions 0..9, float32
+    assert nbytes["embedding_row"] == 64 * 4 and nbytes["total"] == weights + nbytes["kv_cache"] + 64 * 4
+
+
+def test_floor_rounds_and_verification_cost_records(tiny):
+    ticks = []
+    out = floor.floor_rounds(tiny.model, gamma=2, position=8, steps=2, rounds=2, probe=False, advance=lambda: ticks.append(1))
+    assert len(out["rounds"]) == 2 and len(ticks) == 2 and out["verify_tokens"] == 3
+    assert out["verify_over_step"] > 0 and "floor_ms" not in out  # no probe, no floor
+    assert out["step_ms"] == pytest.approx(sorted(r["step_ms"] for r in out["rounds"])[0] / 2 + sorted(r["step_ms"] for r in out["rounds"])[1] / 2)
+    ratios, ms = floor.verification_cost(tiny.model, position=8, widest=3, steps=2, rounds=2)
+    assert ratios[0] == 1.0 and len(ratios) == len(ms) == 3 and all(v > 0 for v in ms)
+
+
+def test_perf_lanes_figures_and_theory(tiny, hf_tiny):
+    settings = perf.PerfSettings(max_new_tokens=6, gamma=2, theory_draft="none", theory_draft_gamma=1, verify_steps=1, rounds=1, lane_repeats=3)
+    prompt = "the quick brown fox jumps over the lazy dog. the quick brown fox"
+    lanes = perf.speculative_lanes(tiny, hf_tiny, prompt, settings, with_ngram=True, dtype=torch.float32)
+    assert list(lanes) == ["own baseline", "transformers greedy", "own n-gram", "transformers prompt lookup"]
+    results = perf.median_runs(lanes, settings.lane_repeats, settings.max_new_tokens)
+    figures = perf.lane_figures(results)
+    assert all(lane["same_tokens_as_own_baseline"] and lane["new_tokens"] == 6 for lane in figures["lanes"].values())
+    assert set(figures["ratios"]) == {"own baseline / transformers greedy", "own n-gram / transformers prompt lookup",
+                                      "own n-gram / own baseline (measured speedup)", "transformers prompt lookup / transformers greedy"}
+    theory = perf.theory_section(tiny.model, results, settings)
+    assert theory["verification_cost"]["tokens"] == [1, 2, 3] and list(theory["theory"]) == ["ngram"]
+    assert theory["theory"]["ngram"]["same_tokens_as_baseline"] and theory["theory"]["ngram"]["gamma"] == 2
+
+
+def test_engine_run_rows_agree(tiny, hf_tiny):
+    prompts = {"copy": "copy: one two three four. copy: one two"}
+    result = engine.run_engine(engine.engine_lanes(tiny, hf_tiny, gamma=2), prompts, max_new_tokens=5, warmup_prompt="hello")
+    row = result["copy"]
+    assert row["new_tokens"] == {lane: 5 for lane in row["new_tokens"]}
+    assert all(row["same_tokens_as_own_baseline"].values())
+    assert len(row["ratios"]) == 4 and row["ngram_acceptance_length"] >= 1.0
+
+
+def test_rows_forward_and_verifier_small(tiny_model_dir):
+    model = load_model(str(tiny_model_dir("gemma3")), dtype=torch.bfloat16).model
+    times = rows.old_new_ms(model, [(2, 3)], repeats=2, old=4)
+    assert [len(v) for v in times[(2, 3)].values()] == [2, 2] and all(ms > 0 for v in times[(2, 3)].values() for ms in v)
+    inputs = verifier.realistic_inputs(batch=2, gamma=2, vocab=64)
+    assert inputs.target_logits.shape == (2, 3, 64) and inputs.draft_tokens.shape == (2, 2)
+    lanes, mean_accepted = verifier.verifier_lanes(1, inputs)
+    assert len(lanes) == 5 and 0 <= mean_accepted <= 2
+    assert verifier.target_step_ms(1, target=str(tiny_model_dir("gemma3")), batch=2, gamma=2) > 0
+    lines = verifier.verifier_lines(lanes, 100.0, "b")
+    assert lines[0].endswith("(baseline: b)") and lines[1].endswith("of the target step")
+
+
+def test_draft_bench_records_and_summary(tiny, hf_tiny):
+    built = {"baseline": (NoDrafter(), 0, 0.0), "default g2": (NgramDrafter(), 2, 0.0)}
+    prompts = {"code": ["def f(x):\n    return x\ndef g(x):\n    return"], "prose": ["one two three one two"]}
+    seen = []
+    records = draft.run_draft_bench(tiny, built, hf_tiny, prompts, 4, lambda records: seen.append(len(records)))
+    assert seen == [1, 2] and [r["category"] for r in records] == ["code", "prose"]
+    assert records[0]["transformers greedy"]["stats"]["new_tokens"] == 4
+    summary = draft.summarise(records, [*built, "transformers greedy"], built)
+    assert set(summary) == {"code", "prose"}
+    lane = summary["code"]["default g2"]
+    assert lane["identical_to_baseline"] and {"alpha", "c", "acceptance_length", "theory_speedup", "decode_speedup"} <= set(lane)
+    assert records[0]["transformers greedy"]["tokens"] == records[0]["baseline"]["tokens"]  # greedy is exact in both libraries
