@@ -245,18 +245,42 @@ def _install_quantized(model: CausalLM, quantized: dict[str, QuantWeight], float
 def _load_gguf_quantized(path: Path, name: str) -> LoadedModel:
     """A .gguf with its quantized matrices as shipped (read_gguf_weights); config and tokenizer from the file."""
     from specgate.models import native
-    from transformers import AutoConfig
 
     if not native.available():
         raise ValueError("dtype='gguf' needs specgate's C kernels (x86-64 with AVX2/FMA/F16C and a C compiler; see the "
                          "warning above): use --dtype bfloat16 or float32 here")
+    config, tokenizer = _gguf_config_and_tokenizer(path)
+    quantized, floats = read_gguf_weights(path, config)
+    model = build_quantized_model(config, quantized, floats)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=path)
+
+
+def _gguf_config_and_tokenizer(path: Path) -> tuple[Any, Any]:
+    """A .gguf's config and tokenizer. transformers rebuilds them from the file's metadata (~30 s for Gemma's 262k
+    tokens), so they are saved once, after the first read, under $SPECGATE_CACHE/models/gguf/ (keyed by the file's
+    name, size and mtime) and read from there afterwards (~1 s)."""
+    from transformers import AutoConfig
+
+    stat = path.stat()
+    saved = cache_root() / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (saved / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(saved), local_files_only=True), _load_tokenizer(saved)
     kwargs = dict(gguf_file=path.name, local_files_only=True, trust_remote_code=False)
     config = AutoConfig.from_pretrained(str(path.parent), **kwargs)
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         ModelArgs.from_hf_config(config)
-    quantized, floats = read_gguf_weights(path, config)
-    model = build_quantized_model(config, quantized, floats)
-    return LoadedModel(model=model, tokenizer=_load_tokenizer(path.parent, gguf_file=path.name), name=name, path=path)
+    tokenizer = _load_tokenizer(path.parent, gguf_file=path.name)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=saved.parent))
+    try:
+        config.save_pretrained(str(work))
+        tokenizer.save_pretrained(str(work))
+        os.rename(work, saved)  # readers see no dir or the complete one
+    except OSError:
+        pass  # a concurrent process saved it first, or the cache is read-only: the next load reads the file again
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return config, tokenizer
 
 
 def _quantize_on_load(loaded: LoadedModel, dtype: torch.dtype | str) -> LoadedModel:
