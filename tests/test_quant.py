@@ -193,3 +193,15 @@ def test_gguf_ngram_greedy_equals_target_only(gemma_gguf, gamma):
     result = generate(prompt, gemma_gguf, NgramDrafter(), gamma, greedy, max_new_tokens=48)
     assert result.tokens == baseline
     assert result.stats.accepted_tokens > 0
+
+
+def test_auto_picks_the_gguf_blocks_for_a_gguf_target_only():
+    from specgate.models.dtypes import default_dtype, draft_dtype, resolve_weights
+
+    assert resolve_weights("auto", "gemma-3-270m") == "gguf"
+    assert resolve_weights("auto", "/models/x.gguf") == "gguf"
+    assert resolve_weights("auto", "/models/hf_dir") == default_dtype()
+    assert resolve_weights("int8", "/models/hf_dir") == "int8" and resolve_weights("float32", "x.gguf") == torch.float32
+    assert draft_dtype("gguf") == default_dtype()
+    with pytest.raises(ValueError, match="use one of auto, float32, bfloat16, gguf, int8"):
+        resolve_weights("int4", "x.gguf")
