@@ -20,7 +20,7 @@ NATIVE_TESTS = "tests/test_native_kernel.py"
 CHROMIUM_TEST = "tests/test_gate_e2e.py::test_html_report_renders_verdict_and_plots_in_headless_chromium"
 AVX512_PARAM = "avx512"  # the id of the AVX-512 variant in test_native_kernel's parametrisation
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw"})  # what the kernel's AVX-512 variant needs (native.wide_vectors)
-KERNEL_FLAGS = frozenset({"avx2", "fma"})  # what the kernel needs at all (native._library)
+KERNEL_FLAGS = frozenset({"avx2", "fma", "f16c"})  # what the kernel needs at all (native._library)
 
 
 @dataclass(frozen=True)

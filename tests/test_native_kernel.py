@@ -18,7 +18,7 @@ from specgate.models import native, transformer
 from specgate.models.dtypes import cpu_flags
 
 HAS_TOOLCHAIN = shutil.which("cc") is not None or shutil.which("gcc") is not None
-CAN_BUILD = HAS_TOOLCHAIN and {"avx2", "fma"} <= cpu_flags()
+CAN_BUILD = HAS_TOOLCHAIN and {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
 def test_kernel_is_available_where_it_can_be_built():

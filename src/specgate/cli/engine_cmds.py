@@ -8,7 +8,13 @@ import typer
 
 from specgate.cli import common
 
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "gguf", "int8")  # specgate.models.dtypes.WEIGHT_CHOICES (not imported: torch)
+WEIGHTS_HELP = (
+    "Target weights: auto (a .gguf target, the embedded gemma-3-270m included, runs its own quantized blocks as "
+    "shipped where the native kernels run; else bfloat16 weights with float32 arithmetic where the kernels run or "
+    "the CPU has bf16 instructions, else float32), gguf, int8 (an HF model quantized to Q8_0 on load: this changes "
+    "the target model), float32 or bfloat16. A draft model gets the torch dtype."
+)
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
@@ -60,13 +66,14 @@ def register(app: typer.Typer) -> None:
         prompt: str = typer.Option(None, help="Prompt text."),
         prompt_file: Path = typer.Option(None, help="Read the prompt from this UTF-8 file."),
         stop: list[str] = typer.Option(None, help="Stop string (repeatable); the output ends before it."),
-        dtype: str = typer.Option("auto", help="Weights dtype for target and draft: auto (bfloat16 weights with float32 arithmetic where the native kernel runs or the CPU has bf16 instructions, else float32), float32 or bfloat16."),
+        dtype: str = typer.Option("auto", help=WEIGHTS_HELP),
         json_output: bool = typer.Option(False, "--json", help="Print one JSON object {tokens, text, stats}."),
     ) -> None:
         """Generate text with speculative decoding (exact: the output follows the target's distribution)."""
         from specgate.drafting import make_drafter
         from specgate.engine import generate as run_generate
-        from specgate.models import load_model, resolve_dtype
+        from specgate.models import load_model
+        from specgate.models.dtypes import draft_dtype, resolve_weights
         from specgate.sampling import SamplingParams
 
         text = _read_prompt(prompt, prompt_file)
@@ -75,9 +82,9 @@ def register(app: typer.Typer) -> None:
         if gamma < 0:
             raise common.UserError(f"--gamma {gamma} is invalid: use gamma >= 0 (0 = no drafting)")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        torch_dtype = resolve_dtype(dtype)
-        target_model = load_model(target, dtype=torch_dtype)
-        drafter = make_drafter(draft, target_model, dtype=torch_dtype, gamma=gamma)
+        weights = resolve_weights(dtype, target)
+        target_model = load_model(target, dtype=weights)
+        drafter = make_drafter(draft, target_model, dtype=draft_dtype(weights), gamma=gamma)
         if drafter.name == "none" and gamma > 0:
             gamma = 0  # nothing to draft: report the run as the baseline it is
         kwargs = dict(seed=seed, max_new_tokens=max_new_tokens, stop=stop or None)

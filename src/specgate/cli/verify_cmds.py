@@ -62,7 +62,7 @@ def check_lossless(
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of every random draw."),
     dtype: str = typer.Option(
-        "auto", "--dtype", help="Weights dtype for --target: auto (bfloat16 weights with float32 arithmetic where the native kernel runs or the CPU has bf16 instructions, else float32), float32 or bfloat16."
+        "auto", "--dtype", help="Weights of --target: auto (a .gguf target, the embedded gemma-3-270m included: its own quantized blocks where the native kernels run; else bfloat16 weights with float32 arithmetic where the kernels run or the CPU has bf16 instructions, else float32), gguf, int8 (Q8_0 on load: changes the target), float32 or bfloat16."
     ),
     significance: float = typer.Option(0.01, "--significance", help="Family-wise level, Bonferroni-corrected."),
     json_output: bool = typer.Option(
@@ -105,9 +105,10 @@ def check_lossless(
         if gamma < 1:
             raise common.UserError(f"--gamma {gamma} is out of range: use an integer >= 1")
         from specgate.engine.lossless_real import run_model_check
-        from specgate.models import load_model, resolve_dtype
+        from specgate.models import load_model
+        from specgate.models.dtypes import resolve_weights
 
-        torch_dtype = resolve_dtype(dtype)  # ValueError (exit 2) for an unknown --dtype, before the slow load
+        torch_dtype = resolve_weights(dtype, target)  # ValueError (exit 2) for an unknown --dtype, before the slow load
         result = run_model_check(
             load_model(target, dtype=torch_dtype), draft, gamma=gamma, num_samples=MODEL_SAMPLES if samples is None else samples,
             seed=seed, significance=significance, progress=not json_output,

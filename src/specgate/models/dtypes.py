@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+WEIGHT_CHOICES = (*DTYPE_CHOICES, "gguf", "int8")  # --dtype of a target: also a GGUF's own blocks, or Q8_0 on load
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -62,3 +63,30 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 def default_dtype_name() -> str:
     return str(default_dtype()).removeprefix("torch.")
+
+
+def resolve_weights(name: str, target: str) -> "torch.dtype | str":
+    """A target's --dtype -> what load_model takes: a torch dtype, "gguf" (a .gguf's own quantized blocks) or
+    "int8" (Q8_0 on load). "auto" picks "gguf" for a .gguf target (the embedded default is one) where the native
+    kernels run: its weights as shipped are the fewest bytes a step can read, and their products equal the float32
+    products of the de-quantised weights bit for bit; otherwise default_dtype()."""
+    if name not in WEIGHT_CHOICES:
+        raise ValueError(f"--dtype {name!r} is not supported: use one of {', '.join(WEIGHT_CHOICES)} (auto = "
+                         f"{weights_name(resolve_weights('auto', target))} for {target!r} on this CPU)")
+    if name in ("gguf", "int8"):
+        return name
+    if name != "auto":
+        return getattr(torch, name)
+    from specgate.models import native
+
+    is_gguf = target == "gemma-3-270m" or str(target).endswith(".gguf")
+    return "gguf" if is_gguf and native.available() else default_dtype()
+
+
+def draft_dtype(weights: "torch.dtype | str") -> torch.dtype:
+    """The torch dtype a draft model is loaded in beside a target loaded with `weights` (quantized: default_dtype())."""
+    return default_dtype() if isinstance(weights, str) else weights
+
+
+def weights_name(weights: "torch.dtype | str") -> str:
+    return weights if isinstance(weights, str) else str(weights).removeprefix("torch.")

