@@ -99,18 +99,19 @@ def test_sglang_gauges_are_read_as_the_latest_batch_not_deltas():
 
 def test_specgate_server_metrics_round_trip_and_lossy_label():
     from specgate.serving.metrics import ServingMetrics
+    from specgate.serving.scheduler import StepStats
 
     metrics = ServingMetrics("tiny", num_slots=4)
     before = prom.read_spec(prom.parse_exposition(metrics.render().decode()))
-    metrics.on_step({"num_drafts": 2, "draft_tokens": 8, "accepted": 5, "accepted_per_position": [2, 2, 1, 0]}, lossless=True)
-    metrics.on_step({"num_drafts": 1, "draft_tokens": 4, "accepted": 1, "accepted_per_position": [1, 0, 0, 0]}, lossless=True)
+    metrics.on_step(StepStats(num_drafts=2, draft_tokens=8, accepted=5, accepted_per_position=[2, 2, 1, 0]), lossless=True)
+    metrics.on_step(StepStats(num_drafts=1, draft_tokens=4, accepted=1, accepted_per_position=[1, 0, 0, 0]), lossless=True)
     after = prom.read_spec(prom.parse_exposition(metrics.render().decode()))
     window = prom.spec_window(before, after)
     assert window.flavour == "specgate" and after.kv_slots_total == 4 and after.preemptions == 0
     assert (window.num_drafts, window.num_draft_tokens, window.num_accepted_tokens) == (3, 12, 6)
     assert window.per_position_rate == pytest.approx([1.0, 2 / 3, 1 / 3])
     assert not window.lossy
-    metrics.on_step({"num_drafts": 1, "draft_tokens": 2, "accepted": 2, "accepted_per_position": [1, 1]}, lossless=False)
+    metrics.on_step(StepStats(num_drafts=1, draft_tokens=2, accepted=2, accepted_per_position=[1, 1]), lossless=False)
     lossy = prom.spec_window(after, prom.read_spec(prom.parse_exposition(metrics.render().decode())))
     assert lossy.lossy and lossy.num_accepted_tokens == 2
 

@@ -16,6 +16,7 @@ from specgate.models import load_model
 from specgate.sampling import SamplingParams
 from specgate.serving.acceptance import AcceptanceStats
 from specgate.serving import FixedPolicy, QueueFullError, Request, RequestTooLongError, Scheduler, TablePolicy
+from specgate.serving.scheduler import LookupProposal, StepStats
 from specgate.serving.metrics import ServingMetrics
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -140,7 +141,7 @@ def test_acceptance_estimate_tracks_hits_and_misses_and_goes_stale(tiny_target):
 
     scheduler = Scheduler(tiny_target, draft="none", policy=FixedPolicy(4), num_slots=1, max_seq_len=32)
     request = Request(make_prompts(1)[0], GREEDY, max_tokens=8)
-    step = {"num_drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_position": [0] * 4}
+    step = StepStats(accepted_per_position=[0] * 4)
     assert request.acceptance is None
     for _ in range(5):
         scheduler._record(request, 4, 4, 4, step)  # every draft accepted
@@ -155,7 +156,7 @@ def test_acceptance_estimate_tracks_hits_and_misses_and_goes_stale(tiny_target):
     for _ in range(60):
         scheduler._record(request, 0, 0, 0, step)  # no drafts: the evidence ages back towards the traffic prior
     assert low < request.acceptance and abs(request.acceptance - traffic_rate) < 0.02
-    assert step["draft_tokens"] == 80 and step["accepted"] == 20 and step["accepted_per_position"] == [5, 5, 5, 5]
+    assert step.draft_tokens == 80 and step.accepted == 20 and step.accepted_per_position == [5, 5, 5, 5]
 
 
 def test_request_estimates_are_shrunk_towards_the_traffic_by_the_prior_weight(tiny_target):
@@ -295,23 +296,22 @@ def test_lookup_proposals_are_scored_beyond_the_verified_drafts(tiny_target):
     until it resolves (which would put its failures in the estimate before the successes made with them)."""
     scheduler = Scheduler(tiny_target, draft="ngram", policy=FixedPolicy(2), num_slots=1, max_seq_len=32)
     request = Request(make_prompts(1)[0], GREEDY, max_tokens=20)
-    state = {"proposals": [(0, [5, 6, 7, 8, 9], 0), (2, [7, 9, 9], 0)]}
+    pending = [LookupProposal(0, [5, 6, 7, 8, 9]), LookupProposal(2, [7, 9, 9])]
     stats = request.acceptance_stats  # decay 0.8 at each proposal's first counted position
     request.tokens = [5, 6, 7]  # first: 3 positions accepted, still pending; second: 1 accepted, pending
-    scheduler._score_proposals(request, state, final=False)
-    assert state["proposals"] == [(0, [5, 6, 7, 8, 9], 3), (2, [7, 9, 9], 1)]
+    pending = scheduler._score_proposals(request, pending, final=False)
+    assert pending == [LookupProposal(0, [5, 6, 7, 8, 9], 3), LookupProposal(2, [7, 9, 9], 1)]
     assert stats.accepted[:5].tolist() == pytest.approx([1.8, 0.8, 0.8, 0.0, 0.0])
     assert stats.tested[:5].tolist() == pytest.approx([1.8, 0.8, 0.8, 0.0, 0.0])
     request.tokens = [5, 6, 7, 8, 1, 2]  # first: 4 accepted, 5th rejected; second: 9 != 8 rejected at position 2
-    scheduler._score_proposals(request, state, final=False)
-    assert state["proposals"] == []
+    pending = scheduler._score_proposals(request, pending, final=False)
+    assert pending == []
     # each position once, weighted as of when it was decided (positions 4-5 after the second proposal's decay)
     assert stats.accepted[:5].tolist() == pytest.approx([1.8, 0.8, 0.8, 1.0, 0.0])
     assert stats.tested[:5].tolist() == pytest.approx([1.8, 1.8, 0.8, 1.0, 1.0])
-    state["proposals"] = [(6, [3, 4, 5], 0)]
     request.tokens += [3]  # the request ends with the proposal partly known: score what is known
-    scheduler._score_proposals(request, state, final=True)
-    assert state["proposals"] == [] and stats.tested[0] == pytest.approx(1.8 * 0.8 + 1)
+    pending = scheduler._score_proposals(request, [LookupProposal(6, [3, 4, 5])], final=True)
+    assert pending == [] and stats.tested[0] == pytest.approx(1.8 * 0.8 + 1)
     assert stats.tested[1] == pytest.approx(1.8 * 0.8)  # position 2 undecided: untested
 
 

@@ -20,6 +20,7 @@ what lets a batching engine later give each request its own slot.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,8 @@ class DraftProposal:
     """What a drafter proposes for one request at one step."""
 
     tokens: Tensor  # [G'] int64, G' <= gamma (may be 0: nothing to propose)
-    draft_probs: Tensor | None  # [G', V_target] float32 q, or None (q is one-hot on `tokens`)
+    # q: [G', V_target] float32, or G' tensors [V_target] (a batched drafter's per-token rows), or None (one-hot on `tokens`)
+    draft_probs: Tensor | Sequence[Tensor] | None
     forward_passes: int = 0  # draft-model forward calls spent on this proposal (0 for lookup drafters)
 
     @property

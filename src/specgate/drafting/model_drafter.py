@@ -198,19 +198,23 @@ class ModelDrafter(Drafter):
         self.cached_tokens[start : start + target_ids.numel()] = target_ids
         return logits[0, : self.num_outputs]  # [V_d']
 
-    def _sample(self, logits: Tensor) -> tuple[int, Tensor | None]:
-        """One draft token (target id) and its q over the target vocabulary [V_t] (None when greedy)."""
+    def sample(self, logits: Tensor, params: Any, generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+        """The draft's sampler, shared by propose, sample_batch and the batched drafter (drafting.batched).
+
+        logits `# [B, V_d']` draft logits. Returns the draft tokens `# [B]` (target ids) and q `# [B, V_t]`, the
+        distribution they were drawn from on the target vocabulary (None when greedy: q is one-hot).
+        """
         from specgate.sampling import logits_to_probs
 
-        if self.params.greedy:
-            return int(self.d2t[int(torch.argmax(logits))]), None
-        probs = logits_to_probs(logits.float(), self.params)  # [V_d']
-        draft_id = int(torch.multinomial(probs, 1, generator=self.generator))
+        if params.greedy:
+            return self.d2t[logits.argmax(-1)], None
+        probs = logits_to_probs(logits.float(), params)  # [B, V_d']
+        draft_ids = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]
         if self.identity_map:
-            return draft_id, probs
-        draft_probs = torch.zeros(self.target_vocab_size, dtype=probs.dtype)  # [V_t]
-        draft_probs[self.d2t] = probs
-        return int(self.d2t[draft_id]), draft_probs
+            return draft_ids, probs
+        draft_probs = torch.zeros(probs.shape[0], self.target_vocab_size, dtype=probs.dtype)  # [B, V_t]
+        draft_probs[:, self.d2t] = probs
+        return self.d2t[draft_ids], draft_probs
 
     def sample_batch(self, contexts: Tensor, gamma: int, params: Any, generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
         """Draft gamma tokens for B equal-length contexts [B, T] at once (own cache, B slots).
@@ -218,8 +222,6 @@ class ModelDrafter(Drafter):
         Returns tokens [B, G] int64 (target ids) and q [B, G, V_t] float32 (None when greedy): the same sampler
         as propose(), batched, for statistical checks and batching engines.
         """
-        from specgate.sampling import logits_to_probs
-
         batch, length = contexts.shape
         cache = self.draft.model.new_cache(batch, length + gamma)
         slots = torch.arange(batch, dtype=torch.int64)  # [B]
@@ -228,14 +230,9 @@ class ModelDrafter(Drafter):
         tokens = torch.empty(batch, gamma, dtype=torch.int64)  # [B, G]
         draft_probs = None if params.greedy else torch.zeros(batch, gamma, self.target_vocab_size)  # [B, G, V_t]
         for i in range(gamma):
-            logits = logits[:, : self.num_outputs].float()  # [B, V_d']
-            if params.greedy:
-                draft_ids = logits.argmax(-1)  # [B]
-            else:
-                probs = logits_to_probs(logits, params)  # [B, V_d']
-                draft_ids = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]
-                draft_probs[:, i, self.d2t] = probs
-            tokens[:, i] = self.d2t[draft_ids]
+            tokens[:, i], q = self.sample(logits[:, : self.num_outputs], params, generator)  # [B], [B, V_t]
+            if q is not None:
+                draft_probs[:, i] = q
             if i + 1 < gamma:
                 step_positions = torch.full((batch, 1), length + i, dtype=torch.int64)  # [B, 1]
                 logits = self.draft.model.forward(self.t2d[tokens[:, i : i + 1]], step_positions, cache, slots, last_only=True)
@@ -249,9 +246,10 @@ class ModelDrafter(Drafter):
         logits = self._forward(context_ids[valid:], valid)
         tokens, probs = [], []
         for i in range(gamma):
-            token, q = self._sample(logits)
+            draft, q = self.sample(logits[None], self.params, self.generator)  # [1], [1, V_t] or None
+            token = int(draft[0])
             tokens.append(token)
-            probs.append(q)
+            probs.append(None if q is None else q[0])
             if i + 1 < gamma:
                 logits = self._forward(torch.tensor([token], dtype=torch.int64), length + i)
         draft_probs = None if self.params.greedy else torch.stack(probs)  # [G, V_t]

@@ -18,10 +18,13 @@ Each ServingMetrics owns its CollectorRegistry, so several servers (tests) can l
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from specgate.serving.scheduler import StepStats
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -76,13 +79,13 @@ class ServingMetrics:
                 counter.labels(model_name, lossless)
 
     # ---- hooks called by the Scheduler (model thread) or submit (any thread)
-    def on_step(self, step: dict[str, Any], lossless: bool) -> None:
+    def on_step(self, step: StepStats, lossless: bool) -> None:
         label = "true" if lossless else "false"
-        if step["num_drafts"]:
-            self.num_drafts.labels(self.model_name, label).inc(step["num_drafts"])
-            self.num_draft_tokens.labels(self.model_name, label).inc(step["draft_tokens"])
-            self.num_accepted_tokens.labels(self.model_name, label).inc(step["accepted"])
-        for position, count in enumerate(step["accepted_per_position"]):
+        if step.num_drafts:
+            self.num_drafts.labels(self.model_name, label).inc(step.num_drafts)
+            self.num_draft_tokens.labels(self.model_name, label).inc(step.draft_tokens)
+            self.num_accepted_tokens.labels(self.model_name, label).inc(step.accepted)
+        for position, count in enumerate(step.accepted_per_position):
             if count:
                 self.accepted_per_pos.labels(self.model_name, label, str(position)).inc(count)
 

@@ -12,13 +12,13 @@ then decoded step by step while other requests join and leave between steps. One
      n-gram drafter, by the drafts it can actually propose (proposed first: lookups are free).
   3. draft: the n-gram drafter per request, or ONE batched draft-model pass (the draft CausalLM keeps its own
      cache with the same slot per request; it re-feeds from the first position whose token changed).
-  4. score: ONE batched ragged target forward; row b feeds its last committed token + its drafts at its own
-     absolute positions (-1 pads shorter rows). A row whose logits are not finite (NaN/inf) fails its request
-     alone (finish_reason "error", Request.error says why); the other rows go on in the same step.
-  5. verify: one `greedy_verify` (every row greedy) or one `rejection_sample` / `verify` call for the whole
-     batch, with one torch.Generator per request (seeded from the request's seed, like engine.generate).
-  6. commit: EOS, stop strings (engine's OutputText semantics) and max_tokens end a request; its slot is freed
-     at once, so a waiting request can take it at the next step. The step's time, its draft passes excepted,
+  4. score and 5. verify: the decode core shared with engine.generate (specgate.engine.decode.decode_step):
+     ONE batched ragged target forward, row b feeding its last committed token + its drafts at its own absolute
+     positions (-1 pads shorter rows), then one verification call for the batch with one torch.Generator per
+     request (seeded from the request's seed, like engine.generate). A row whose logits are not finite (NaN/inf)
+     fails its request alone (finish_reason "error", Request.error says why); the other rows go on.
+  6. commit (DecodeState.append / cut_at_stop, as engine.generate): EOS, stop strings (specgate.text.OutputText)
+     and max_tokens end a request; its slot is freed at once, so a waiting request can take it at the next step. The step's time, its draft passes excepted,
      goes to policy.observe_step (the adaptive cost model corrects itself live with what a step really costs,
      lookups, verification and commit included).
 
@@ -60,11 +60,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specgate.drafting.base import DraftProposal
+from specgate.drafting.batched import BatchedModelDrafter
 from specgate.drafting.ngram import NgramDrafter
-from specgate.engine.generate import OutputText, eos_token_ids
-from specgate.models import native
+from specgate.engine.decode import DRAFT_STREAM, VERIFY_STREAM, DecodeState, decode_step, eos_token_ids, seeded_generator
 from specgate.models.transformer import LogitsBuffer
-from specgate.sampling import SamplingParams, greedy_verify, logits_to_probs, rejection_sample, verify
+from specgate.sampling import SamplingParams
+from specgate.text import OutputText
 from specgate.serving.acceptance import FLAT_PRIOR, MAX_POSITIONS, REQUEST_PRIOR_WEIGHT, TRAFFIC_DECAY, AcceptanceStats
 from specgate.serving.policy import SpeculationPolicy
 
@@ -91,11 +93,6 @@ class RequestTooLongError(ValueError):
 
 class ServerDrainingError(RuntimeError):
     """The scheduler is draining (shutting down) and accepts no new request (HTTP 503)."""
-
-
-def seeded_generator(seed: int, stream: int) -> torch.Generator:
-    """One independent generator per random stream of a request (verifier = 0, drafter = 1), as engine.generate."""
-    return torch.Generator().manual_seed((int(seed) * 1_000_003 + stream) % (2**63))
 
 
 @dataclass
@@ -162,87 +159,33 @@ class Request:
         return self.finish_reason is not None
 
 
-class BatchedModelDrafter:
-    """Draft tokens for many requests at once with a draft CausalLM; one cache slot per scheduler slot.
+@dataclass(slots=True)
+class LookupProposal:
+    """An n-gram proposal awaiting scoring against the output (Scheduler._score_proposals)."""
 
-    Reuses specgate.drafting.ModelDrafter for the tokenizer check and the draft<->target vocabulary maps;
-    q is each row's draft logits processed with that request's SamplingParams (None for greedy rows: one-hot).
-    """
+    start: int  # index in Request.tokens of the token its first draft stands for
+    tokens: list[int]
+    counted: int = 0  # leading positions already counted as evidence
 
-    def __init__(self, draft: Any, target: Any, num_slots: int, max_seq_len: int) -> None:
-        from specgate.drafting.model_drafter import ModelDrafter
 
-        self.maps = ModelDrafter(draft, target)
-        self.name = self.maps.name
-        self.model = draft.model
-        self.cache = self.model.new_cache(num_slots, max_seq_len)
-        self.cached_tokens = torch.full((num_slots, max_seq_len), -1, dtype=torch.int64)  # [S, L] target id per position
+@dataclass(slots=True, kw_only=True, eq=False)
+class RequestState(DecodeState):
+    """A running request's state on the model thread: the decode core's DecodeState plus what batching adds."""
 
-    def begin(self, slot: int) -> None:
-        self.cached_tokens[slot] = -1
+    draft_generator: torch.Generator  # the draft model's sampling stream (the n-gram drafter draws nothing)
+    ngram: NgramDrafter | None  # the request's lookup index (n-gram drafts), else None
+    prefilled: int = 0  # prompt tokens in the target's cache; the request decodes once it reaches prompt_len - 1
+    proposals: list[LookupProposal] = field(default_factory=list)  # n-gram proposals not yet fully scored
 
-    def _feed(self, slots: list[int], chunks: list[Tensor], starts: list[int]) -> Tensor:
-        """Feed each row's target-id chunk [T_b] at positions start_b..; logits of each row's last token [B, V_d']."""
-        width = max(int(c.numel()) for c in chunks)
-        ids = torch.zeros(len(chunks), width, dtype=torch.int64)  # [B, T]
-        positions = torch.full((len(chunks), width), -1, dtype=torch.int64)  # [B, T]
-        for row, (chunk, start, slot) in enumerate(zip(chunks, starts, slots)):
-            n = int(chunk.numel())
-            ids[row, :n] = self.maps.t2d[chunk]
-            positions[row, :n] = torch.arange(start, start + n)
-            self.cached_tokens[slot, start : start + n] = chunk
-        logits = self.model.forward(ids, positions, self.cache, torch.tensor(slots, dtype=torch.int64), last_only=True)
-        return logits[:, : self.maps.num_outputs].float()  # [B, V_d']
 
-    def _sample(self, logits: Tensor, request: Request, generator: torch.Generator) -> tuple[int, Tensor | None]:
-        """One draft token (target id) from logits [V_d'] and its q over the target vocabulary (None if greedy)."""
-        if request.params.greedy:
-            return int(self.maps.d2t[int(torch.argmax(logits))]), None
-        probs = logits_to_probs(logits, request.params)  # [V_d']
-        draft_id = int(torch.multinomial(probs, 1, generator=generator))
-        if self.maps.identity_map:
-            return draft_id, probs
-        draft_probs = torch.zeros(self.maps.target_vocab_size, dtype=probs.dtype)  # [V_t]
-        draft_probs[self.maps.d2t] = probs
-        return int(self.maps.d2t[draft_id]), draft_probs
+@dataclass(slots=True)
+class StepStats:
+    """One decode step's speculation counters over its rows with >= 1 draft (the metrics' on_step record)."""
 
-    def propose(self, requests: list[Request], contexts: list[Tensor], gammas: list[int], generators: list[torch.Generator]) -> list[tuple[list[int], list[Tensor | None]]]:
-        """Draft gammas[i] tokens after contexts[i] [L_i] for each request; rows with gamma 0 get nothing."""
-        out: list[tuple[list[int], list[Tensor | None]]] = [([], []) for _ in requests]
-        active = [i for i, g in enumerate(gammas) if g > 0]
-        if not active:
-            return out
-        chunks, starts = [], []
-        for i in active:
-            context, slot = contexts[i], requests[i].slot
-            length = int(context.numel())
-            differs = (self.cached_tokens[slot, :length] != context).nonzero()
-            valid = min(int(differs[0]) if differs.numel() else length, length - 1)  # always feed >= 1 token
-            chunks.append(context[valid:])
-            starts.append(valid)
-        logits = self._feed([requests[i].slot for i in active], chunks, starts)  # [B, V_d']
-        rows = list(range(len(active)))
-        for step in range(max(gammas[i] for i in active)):
-            finite = torch.isfinite(logits).all(dim=-1)  # [B]: a row with NaN/inf draft logits stops drafting
-            next_rows, next_tokens = [], []
-            for row in (r for r in rows if finite[r]):
-                i = active[row]
-                token, q = self._sample(logits[row], requests[i], generators[i])
-                out[i][0].append(token)
-                out[i][1].append(q)
-                if step + 1 < gammas[i]:
-                    next_rows.append(row)
-                    next_tokens.append(token)
-            if not next_rows:
-                break
-            slots = [requests[active[r]].slot for r in next_rows]
-            positions = [int(contexts[active[r]].numel()) + step for r in next_rows]
-            chunk_list = [torch.tensor([t], dtype=torch.int64) for t in next_tokens]
-            new_logits = self._feed(slots, chunk_list, positions)  # [B', V_d']
-            logits = torch.zeros(len(active), new_logits.shape[1])
-            logits[next_rows] = new_logits
-            rows = next_rows
-        return out
+    num_drafts: int = 0  # rows with >= 1 draft token
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # rows that accepted the draft at position i
 
 
 class Scheduler:
@@ -324,7 +267,7 @@ class Scheduler:
         self.lock = threading.Condition()
         self._cancelled: set[str] = set()
         self._ids = itertools.count()
-        self._state: dict[str, dict[str, Any]] = {}  # request_id -> per-request objects (context, generators, ...)
+        self._state: dict[str, RequestState] = {}  # request_id -> its state on the model thread
         self._stop = False
         self.draining = False
         self.thread: threading.Thread | None = None
@@ -441,7 +384,7 @@ class Scheduler:
             self._prefill()
             if not self.running:
                 return False
-            decoding = [r for r in self.running if self._state[r.request_id]["prefilled"] >= r.prompt_len - 1]
+            decoding = [r for r in self.running if self._state[r.request_id].prefilled >= r.prompt_len - 1]
             if decoding:
                 self._decode_step(decoding)
             self.steps += 1
@@ -503,11 +446,13 @@ class Scheduler:
                 ngram.begin(request.prompt_ids, request.params, None, self.max_seq_len)
             if self.model_drafter is not None:
                 self.model_drafter.begin(request.slot)
-            self._state[request.request_id] = {
-                "context": context, "length": request.prompt_len, "ngram": ngram, "prefilled": 0, "proposals": [],
-                "verify_gen": seeded_generator(request.seed, 0), "draft_gen": seeded_generator(request.seed, 1),
-                "text": OutputText(self.target.tokenizer, list(request.stop), self._text_sink(request)),
-            }
+            self._state[request.request_id] = RequestState(
+                context=context, length=request.prompt_len, tokens=request.tokens, max_new_tokens=request.max_tokens,
+                params=request.params, eos_ids=frozenset() if request.ignore_eos else self.eos_ids,
+                text=OutputText(self.target.tokenizer, list(request.stop), self._text_sink(request)),
+                verify_generator=seeded_generator(request.seed, VERIFY_STREAM),
+                draft_generator=seeded_generator(request.seed, DRAFT_STREAM), ngram=ngram,
+            )
 
     def _prefill(self) -> None:
         """Feed the next prompt chunks (all but each prompt's last token) in one ragged forward of at most
@@ -516,7 +461,7 @@ class Scheduler:
         rows: list[tuple[Request, int, int]] = []  # (request, first position, tokens)
         width = 0
         for request in self.running:
-            done = self._state[request.request_id]["prefilled"]
+            done = self._state[request.request_id].prefilled
             left = request.prompt_len - 1 - done
             if left <= 0:
                 continue
@@ -536,7 +481,7 @@ class Scheduler:
         slots = torch.tensor([r.slot for r, _, _ in rows], dtype=torch.int64)  # [B]
         self.target.model.forward(ids, positions, self.cache, slots, logits=False)  # the cache only: no head pass
         for request, first, count in rows:
-            self._state[request.request_id]["prefilled"] = first + count
+            self._state[request.request_id].prefilled = first + count
 
     def _text_sink(self, request: Request) -> Callable[[str], None]:
         def on_text(delta: str) -> None:
@@ -546,88 +491,72 @@ class Scheduler:
 
         return on_text
 
-    def _lookups(self, running: list[Request], states: list[dict], budgets: list[int]) -> list[list[int]] | None:
+    def _lookups(self, running: list[Request], states: list[RequestState], budgets: list[int]) -> list[list[int]] | None:
         """n-gram drafter: every row's proposal up to lookup_tokens, default the policy's max gamma (>= 1 to keep
         learning); else None."""
         if self.draft_kind != "ngram":
             return None
         longest = self.policy.max_gamma if self.lookup_tokens is None else self.lookup_tokens
         return [
-            state["ngram"].propose(state["context"][: state["length"]], max(1, min(longest, budget))).tokens.tolist()
+            state.ngram.propose(state.context[: state.length], max(1, min(longest, budget))).tokens.tolist()
             for state, budget in zip(states, budgets)
         ]
 
-    def _drafts(self, running: list[Request], states: list[dict], gammas: list[int], lookups: list[list[int]] | None) -> list[tuple[list[int], list[Tensor | None]]]:
-        if lookups is not None:  # a shorter n-gram proposal is a prefix of a longer one
-            return [(tokens[:gamma], [None] * gamma) for tokens, gamma in zip(lookups, gammas)]
-        if self.model_drafter is not None:
-            contexts = [s["context"][: s["length"]] for s in states]
-            return self.model_drafter.propose(running, contexts, gammas, [s["draft_gen"] for s in states])
-        return [([], []) for _ in running]
-
-    def _decode_step(self, running: list[Request]) -> None:
-        step_start = time.perf_counter()
-        states = [self._state[r.request_id] for r in running]
-        # 2. policy: per-request gamma, capped by the remaining budget and (lookups) by the drafts available
+    def _choose_gammas(self, running: list[Request], states: list[RequestState]) -> tuple[list[int], list[int], list[list[int]] | None]:
+        """Step 2: the policy's gamma per row, capped by its remaining budget - 1 and (lookups) by the drafts
+        available. Returns (gammas, caps, the rows' lookup proposals or None)."""
         budgets = [r.max_tokens - len(r.tokens) - 1 for r in running]  # drafts past it could never be emitted
         lookups = self._lookups(running, states, budgets)
         caps = budgets if lookups is None else [min(len(tokens), b) for tokens, b in zip(lookups, budgets)]
         prior = self.traffic_acceptance.profile(FLAT_PRIOR)  # [K]
         gammas = self.policy.choose([r.acceptance_stats.profile(prior, self.request_prior_weight) for r in running], caps)
-        gammas = [max(0, min(int(g), cap)) for g, cap in zip(gammas, caps)]
+        return [max(0, min(int(g), cap)) for g, cap in zip(gammas, caps)], caps, lookups
+
+    def _drafts(self, running: list[Request], states: list[RequestState], gammas: list[int], lookups: list[list[int]] | None) -> list[DraftProposal]:
+        """Step 3: each row's drafts: a prefix of its lookup proposal, or the batched draft model's, or none."""
+        if lookups is not None:  # a shorter n-gram proposal is a prefix of a longer one
+            return [DraftProposal(tokens=torch.tensor(tokens[:gamma], dtype=torch.int64), draft_probs=None) for tokens, gamma in zip(lookups, gammas)]
+        if self.model_drafter is not None:
+            contexts = [s.context[: s.length] for s in states]
+            slots, params, generators = [r.slot for r in running], [s.params for s in states], [s.draft_generator for s in states]
+            return self.model_drafter.propose(slots, contexts, gammas, params, generators)
+        return [DraftProposal(tokens=torch.empty(0, dtype=torch.int64), draft_probs=None) for _ in running]
+
+    def _decode_step(self, running: list[Request]) -> None:
+        step_start = time.perf_counter()
+        states = [self._state[r.request_id] for r in running]
+        # 2. policy: per-request gamma, capped by the remaining budget and (lookups) by the drafts available
+        gammas, caps, lookups = self._choose_gammas(running, states)
         # 3. drafts; every lookup proposal is kept to be scored against the output (see the module comment)
         draft_start = time.perf_counter()
-        drafts = self._drafts(running, states, gammas, lookups)
+        proposals = self._drafts(running, states, gammas, lookups)
         draft_s = time.perf_counter() - draft_start if self.model_drafter is not None else 0.0
-        for request, state, proposal in zip(running, states, lookups or []):
-            if proposal:
-                state["proposals"].append((len(request.tokens), proposal, 0))
-        num_drafts = [len(tokens) for tokens, _ in drafts]
-        width = max(num_drafts)
-        # 4. one ragged target forward: last committed token + drafts, at each row's own positions
-        batch = len(running)
-        ids = torch.zeros(batch, width + 1, dtype=torch.int64)  # [B, G+1]
-        positions = torch.full((batch, width + 1), -1, dtype=torch.int64)  # [B, G+1]
-        draft_tokens = torch.zeros(batch, width, dtype=torch.int64)  # [B, G]
-        for row, (state, (tokens, _)) in enumerate(zip(states, drafts)):
-            length = state["length"]
-            ids[row, 0] = state["context"][length - 1]
-            ids[row, 1 : 1 + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-            draft_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-            positions[row, : 1 + len(tokens)] = torch.arange(length - 1, length + len(tokens))
+        for request, state, lookup in zip(running, states, lookups or []):
+            if lookup:
+                state.proposals.append(LookupProposal(len(request.tokens), lookup))
+        num_drafts = [proposal.num_tokens for proposal in proposals]
+        batch, width = len(running), max(num_drafts)
+        # 4-5. the decode core: one ragged target forward, one verification for the batch
         slots = torch.tensor([r.slot for r in running], dtype=torch.int64)  # [B]
-        forward_start = time.perf_counter()
-        target_logits = self.target.model.forward(ids, positions, self.cache, slots, out=self._logits.view(batch, width + 1))  # [B, G+1, V]; read by the verification below, never after
-        # (a fresh 80 MB block per step, 16 requests x 5 positions x Gemma's 262,144, page-faults ~19 ms)
-        forward_s = time.perf_counter() - forward_start
-        peak, target_argmax = native.max_argmax(target_logits)  # [B, G+1] each: one pass for the check and greedy
-        keep = self._fail_non_finite(running, peak, positions)
-        if len(keep) < batch:
-            if not keep:
-                return
-            index = torch.tensor(keep, dtype=torch.int64)
-            running, states, drafts = [running[i] for i in keep], [states[i] for i in keep], [drafts[i] for i in keep]
-            gammas, num_drafts = [gammas[i] for i in keep], [num_drafts[i] for i in keep]
-            caps = [caps[i] for i in keep]
-            draft_tokens, target_logits, target_argmax = draft_tokens[index], target_logits[index], target_argmax[index]
-        # 5. one batched verification with per-request generators
-        result = self._verify(running, states, drafts, draft_tokens, torch.tensor(num_drafts), target_logits, target_argmax)
+        result = decode_step(self.target.model, self.cache, slots, states, proposals, lossy=self.lossy, logits_buffer=self._logits)
+        # (the logits block is kept across steps: a fresh 80 MB one, 16 requests x 5 positions x Gemma's 262,144, page-faults ~19 ms)
+        self._fail_non_finite([running[i] for i in result.failed], [states[i] for i in result.failed])
+        if not result.kept:
+            return
+        running, states = [running[i] for i in result.kept], [states[i] for i in result.kept]
+        gammas, caps, num_drafts = ([values[i] for i in result.kept] for values in (gammas, caps, num_drafts))
         # 6. commit
         now = self.clock()
-        step_stats = {"num_drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_position": [0] * width}
-        committed = 0
+        step_stats = StepStats(accepted_per_position=[0] * width)
         rows_emitted, rows_before = [], []  # per row: tokens committed now, tokens it had before (0: its first)
         for row, request in enumerate(running):
-            accepted = int(result.num_accepted[row])
-            emitted = result.output_tokens[row, : accepted + 1].tolist()
-            self._record(request, gammas[row], num_drafts[row], accepted, step_stats)
-            before = len(request.tokens)
-            self._commit(request, states[row], emitted, now)
-            rows_emitted.append(len(request.tokens) - before)
-            rows_before.append(before)
-            committed += rows_emitted[-1]
+            self._record(request, gammas[row], num_drafts[row], result.num_accepted[row], step_stats)
+            rows_before.append(len(request.tokens))
+            self._commit(request, states[row], result.emitted[row], now)
+            rows_emitted.append(len(request.tokens) - rows_before[-1])
+        committed = sum(rows_emitted)
         if self.metrics is not None:
-            self.metrics.on_step(step_stats, lossless=bool(result.lossless))
+            self.metrics.on_step(step_stats, lossless=result.lossless)
         # the adaptive cost model learns the whole step but its draft passes (priced on their own): the lookups,
         # the forward, the verification and the commit, which grow with the tokens a step scores and emits
         step_ms = 1e3 * (time.perf_counter() - step_start - draft_s)
@@ -642,60 +571,25 @@ class Scheduler:
                 "end_s": now, "batch": batch, "width": width, "drafted": sum(num_drafts),
                 "emitted": committed, "rows_emitted": rows_emitted, "rows_before": rows_before,
                 "step_ms": 1e3 * (time.perf_counter() - step_start),
-                "forward_ms": 1e3 * forward_s, "draft_ms": 1e3 * draft_s, "prefill_tokens": self.last_prefill_tokens,
+                "forward_ms": 1e3 * result.forward_s, "draft_ms": 1e3 * draft_s, "prefill_tokens": self.last_prefill_tokens,
                 # what the policy was given and ran, per row (for counterfactuals offline: bench/bench_counterfactual.py)
                 "rows_id": [r.request_id for r in running], "rows_caps": caps, "rows_drafts": num_drafts,
                 "predicted_plans": self.policy.plans_priced() if hasattr(self.policy, "plans_priced") else None,
             })
 
-    def _fail_non_finite(self, running: list[Request], peak: Tensor, positions: Tensor) -> list[int]:
-        """Finish with "error" every request whose scored rows hold NaN/inf logits; the rows to keep.
-
-        peak `# [B, G+1]`: the logits' max over the vocabulary, NaN if any logit is NaN and +inf if any is +inf
-        (native.max_argmax: one multi-threaded pass, no [B, T, V] mask); a -inf logit alone is a legal zero
-        probability. Pad positions (-1) are not checked.
-        """
-        finite = (torch.isfinite(peak) | (positions < 0)).all(dim=1)  # [B]
-        if bool(finite.all()):
-            return list(range(len(running)))
-        for row in (~finite).nonzero().flatten().tolist():
-            request = running[row]
+    def _fail_non_finite(self, requests: list[Request], states: list[RequestState]) -> None:
+        """Finish with "error" every request whose scored rows held NaN/inf logits (decode_step's failed rows)."""
+        for request, state in zip(requests, states):
             request.error = (
                 f"the target model produced non-finite logits (NaN or inf) for this request at position "
-                f"{int(positions[row, 0])}; the request was stopped, other requests are unaffected"
+                f"{state.length - 1}; the request was stopped, other requests are unaffected"
             )
             self._finish(request, "error")
-        return finite.nonzero().flatten().tolist()
 
-    def _verify(self, running, states, drafts, draft_tokens: Tensor, num_drafts: Tensor, target_logits: Tensor, target_argmax: Tensor):
-        params = [r.params for r in running]
-        generators = [s["verify_gen"] for s in states]
-        if all(p.greedy for p in params) and self.lossy is None:
-            return greedy_verify(draft_tokens, num_drafts, target_logits, target_argmax=target_argmax)
-        width = draft_tokens.shape[1]
-        has_q = any(q is not None for _, qs in drafts for q in qs)
-        draft_probs = None
-        if has_q and width > 0:
-            vocab = target_logits.shape[-1]
-            draft_probs = torch.zeros(len(running), width, vocab)  # [B, G, V] (one-hot where a row has no q)
-            for row, (tokens, qs) in enumerate(drafts):
-                for i, (token, q) in enumerate(zip(tokens, qs)):
-                    if q is None:
-                        draft_probs[row, i, token] = 1.0
-                    else:
-                        draft_probs[row, i] = q
-        if self.lossy is not None:  # labelled LOSSY verification: output.lossless is False
-            target_probs = torch.stack([logits_to_probs(target_logits[row], p) for row, p in enumerate(params)])  # [B, G+1, V]
-            return self.lossy.verify(draft_tokens, num_drafts, draft_probs, target_probs, generators)
-        if all(p == params[0] for p in params):
-            return verify(draft_tokens, num_drafts, draft_probs, target_logits, params[0], generators)
-        target_probs = torch.stack([logits_to_probs(target_logits[row], p) for row, p in enumerate(params)])  # [B, G+1, V]
-        return rejection_sample(draft_tokens, num_drafts, draft_probs, target_probs, generators)
-
-    def _score_proposals(self, request: Request, state: dict, final: bool) -> None:
-        """Score the pending lookup proposals (start index in request.tokens, tokens, positions counted) against
-        the output so far. Each position counts as soon as the output decides it (AcceptanceStats.observe_positions);
-        a proposal leaves at its first mismatch, once fully covered, or when the request ends.
+    def _score_proposals(self, request: Request, proposals: list[LookupProposal], final: bool) -> list[LookupProposal]:
+        """Score the pending lookup proposals against the output so far; the ones still pending. Each position
+        counts as soon as the output decides it (AcceptanceStats.observe_positions); a proposal leaves at its
+        first mismatch, once fully covered, or when the request ends.
 
         Position by position, not once resolved: a proposal that fails resolves at its mismatch, one that holds
         only once the output covers it (up to 8 tokens, 2-4 steps later), so counting whole proposals at
@@ -704,18 +598,18 @@ class Scheduler:
         position 1 estimated 0.856 on average against 0.892 accepted, and where the policy chose width 1, width 3's
         accepted drafts predicted 1.67 per row against 1.86 (docs/BENCHMARKS.md, Serving, diag 17)."""
         pending = []
-        for start, proposal, counted in state["proposals"]:
-            known = request.tokens[start : start + len(proposal)]
-            matched = next((k for k, (a, b) in enumerate(zip(known, proposal)) if a != b), len(known))
+        for proposal in proposals:
+            known = request.tokens[proposal.start : proposal.start + len(proposal.tokens)]
+            matched = next((k for k, (a, b) in enumerate(zip(known, proposal.tokens)) if a != b), len(known))
             decided = min(matched + 1, len(known))  # positions 1..matched accepted, matched + 1 rejected if known
-            request.acceptance_stats.observe_positions(counted, decided, matched)
-            self.traffic_acceptance.observe_positions(counted, decided, matched)
-            if not (matched < len(known) or len(known) == len(proposal) or final):
-                pending.append((start, proposal, decided))
-        state["proposals"] = pending
+            request.acceptance_stats.observe_positions(proposal.counted, decided, matched)
+            self.traffic_acceptance.observe_positions(proposal.counted, decided, matched)
+            if not (matched < len(known) or len(known) == len(proposal.tokens) or final):
+                pending.append(LookupProposal(proposal.start, proposal.tokens, decided))
         request.acceptance = request.acceptance_stats.first_rate(self.traffic_acceptance.first_rate(FLAT_PRIOR), self.request_prior_weight)
+        return pending
 
-    def _record(self, request: Request, gamma: int, drafted: int, accepted: int, step_stats: dict) -> None:
+    def _record(self, request: Request, gamma: int, drafted: int, accepted: int, step_stats: StepStats) -> None:
         stats = request.stats
         stats.steps += 1
         stats.gammas.append(gamma)
@@ -731,32 +625,30 @@ class Scheduler:
             stats.accepted_per_position.extend([0] * (accepted - len(stats.accepted_per_position)))
         for position in range(accepted):
             stats.accepted_per_position[position] += 1
-            step_stats["accepted_per_position"][position] += 1
-        step_stats["num_drafts"] += 1
-        step_stats["draft_tokens"] += drafted
-        step_stats["accepted"] += accepted
+            step_stats.accepted_per_position[position] += 1
+        step_stats.num_drafts += 1
+        step_stats.draft_tokens += drafted
+        step_stats.accepted += accepted
         if self.draft_kind != "ngram":  # n-gram rows learn from their whole proposal in _score_proposals
             request.acceptance_stats.observe(drafted, accepted)
             self.traffic_acceptance.observe(drafted, accepted)
             request.acceptance = request.acceptance_stats.first_rate(self.traffic_acceptance.first_rate(FLAT_PRIOR), self.request_prior_weight)
 
-    def _commit(self, request: Request, state: dict, emitted: list[int], now: float) -> None:
-        finish = None
-        if not request.ignore_eos:
-            for i, token in enumerate(emitted):
-                if token in self.eos_ids:
-                    emitted, finish = emitted[: i + 1], "stop"
-                    break
-        budget = request.max_tokens - len(request.tokens)
-        if len(emitted) >= budget:
-            emitted, finish = emitted[:budget], finish or "length"
-        request.tokens.extend(emitted)
-        length = state["length"]
-        state["context"][length : length + len(emitted)] = torch.tensor(emitted, dtype=torch.int64)
-        state["length"] = length + len(emitted)
-        if state["proposals"]:
-            self._score_proposals(request, state, final=finish is not None)
-        stats = request.stats
+    def _commit(self, request: Request, state: RequestState, emitted: list[int], now: float) -> None:
+        """Step 6 for one row: DecodeState.commit's two halves, with the lookup proposals scored in between
+        (against the output as the target produced it, before a stop string cuts it) and the token times."""
+        before = len(request.tokens)
+        finish = state.append(emitted)
+        if state.proposals:
+            state.proposals = self._score_proposals(request, state.proposals, final=finish is not None)
+        self._time_tokens(request.stats, now)
+        if state.cut_at_stop(len(request.tokens) - before):
+            finish = "stop"
+        if finish is not None:
+            self._finish(request, finish)
+
+    def _time_tokens(self, stats: RequestStats, now: float) -> None:
+        """A token-emitting step at `now`: the request's first token, or one more inter-token latency."""
         if stats.first_token_s is None:
             stats.first_token_s = now
             if self.metrics is not None:
@@ -766,18 +658,12 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.on_inter_token(now - stats.last_emit_s)
         stats.last_emit_s = now
-        cut = state["text"].update(request.tokens, len(emitted))
-        if cut is not None:
-            del request.tokens[cut:]
-            finish = "stop"
-        if finish is not None:
-            self._finish(request, finish)
 
     def _finish(self, request: Request, reason: str) -> None:
         """End a request (model thread): flush its text, free its slot, tell its sink."""
         state = self._state.pop(request.request_id, None)
         if state is not None and reason != "cancelled":  # the text so far is final (timeouts and errors too)
-            state["text"].finish()
+            state.text.finish()
         request.finish_reason = reason
         request.stats.finish_s = self.clock()
         with self.lock:
