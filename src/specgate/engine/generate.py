@@ -65,8 +65,6 @@ def validate_request(prompt_len: int, max_context: int, gamma: int, max_new_toke
         )
 
 
-
-
 def generate(
     prompt: str | Sequence[int] | Tensor,
     target: Any,

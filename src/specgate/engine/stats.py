@@ -48,7 +48,7 @@ class GenerationStats:
     steps_by_draft_length: list[int] = field(default_factory=list)
     new_tokens: int = 0
     prompt_tokens: int = 0
-    finish_reason: str = "length"
+    finish_reason: str = "length"  # OpenAI's: "stop" (EOS or a stop string) or "length" (max_new_tokens)
     prefill_ms: float = 0.0
     draft_ms_total: float = 0.0
     verify_ms_total: float = 0.0
