@@ -1,0 +1,353 @@
+"""An EAGLE-style draft head on the target's own features (EAGLE / EAGLE-3 / HASS, for Gemma-3).
+
+At draft position t the head reads the target's feature at t - 1 (its hidden state there, the state that
+predicted token t) and the target's embedding of token t, mixes them with one Linear, runs ONE decoder layer of
+the target's own shape (a specgate.models.transformer.Block: Gemma-3 norms, 4 q heads / 1 KV head / head_dim
+256, q/k norms, RoPE, GeGLU), and reads its output feature through the target's final norm and the target's
+embedding rows of a reduced vocabulary (the `d2t` map, frozen: the head's LM head is the target's head cut to
+those rows). For the next draft position it feeds its OWN output feature back in place of the target's, with
+the token it just drafted: that is why the output lives in the target's residual space.
+
+    feature_in  = the target's feature (concat of the `feature_layers` states, normed, projected) or own output
+    x           = fc([norm(embed(token_t)); norm(feature_in)])               # [.., 2H] -> [.., H]
+    out         = Block(x)                                                  # the head's feature (residual space)
+    draft_logits = final_norm(out) @ rows.T                                 # [.., V_d], rows = embed[d2t]
+
+Target features: `target_features(model, ids, layers)` runs the runtime's own layers (read-only) and returns the
+residual after any layers (0-based) and the final-norm hidden state (FEATURE_FINAL_NORM = -1), which is also what
+`CausalLM.forward(..., return_hidden=True)` returns today.
+
+Index convention (training and evaluation, one window of T tokens x_0..x_{T-1} with target features h_0..):
+head index j reads (h_j, x_{j+1}) at position j (the feature's: the head's cache row j holds that pair,
+so a cache row is never left empty below a query) and predicts x_{j+2} (target distribution at j + 1).
+Unrolled step s (s = 0 is the plain EAGLE step; s >= 1 is training-time test, EAGLE-3/HASS) at index j reads
+the head's own step s - 1 output at j - 1 instead of h_j, and attends exactly as it would at draft position
+s + 1 of a chain started at j - s: to step-0 keys at indices <= j - s and to the chain's own keys of steps
+1..s at indices j - s + 1..j. `unrolled` computes that in parallel; `step` is the cached one-position path used at
+draft time, and the tests check the two agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specgate.models.kv_cache import KVCache
+from specgate.models.transformer import Batch, Block, CausalLM, ModelArgs, RMSNorm, apply_rope, rope_inv_freq
+
+FEATURE_FINAL_NORM = -1  # in feature_layers: the target's final-norm hidden state (what forward(return_hidden) gives)
+
+
+# --- the target's features --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()  # not inference_mode: training reuses the result, and inference tensors cannot be saved for backward
+def target_features(model: CausalLM, input_ids: Tensor, layers: Sequence[int]) -> Tensor:
+    """The target's hidden states at every position of input_ids [B, T] (each row a sequence from position 0).
+
+    layers: 0-based layer indices (the residual stream after that layer, before the final norm) or
+    FEATURE_FINAL_NORM (-1: after the final norm). Returns [B, T, len(layers), H] float32. Runs the model's own
+    embedding and blocks through the per-layer torch path with a throwaway cache; the model is not modified.
+    """
+    bad = [layer for layer in layers if layer != FEATURE_FINAL_NORM and not 0 <= layer < model.args.num_layers]
+    if bad or not layers:
+        raise ValueError(f"layers {list(layers)}: use 0..{model.args.num_layers - 1} or {FEATURE_FINAL_NORM} (final norm)")
+    B, T = input_ids.shape
+    cache = model.new_cache(B, T)
+    positions = torch.arange(T, dtype=torch.int64)[None].expand(B, T)  # [B, T]
+    slots = torch.arange(B, dtype=torch.int64)  # [B]
+    batch = Batch(model, cache, slots, positions, T, 0, False)
+    x = model.embed_tokens(input_ids).to(model.compute_dtype)  # [B, T, H]
+    if model.args.embed_scale is not None:
+        x = x * torch.tensor(model.args.embed_scale, dtype=model.dtype).to(model.compute_dtype)
+    wanted = {layer: index for index, layer in enumerate(layers)}
+    out = torch.empty(B, T, len(layers), model.args.hidden_size)  # [B, T, L, H]
+    for number, block in enumerate(model.layers):
+        x = block(x, batch)
+        if number in wanted:
+            out[:, :, wanted[number]] = x.float()
+    if FEATURE_FINAL_NORM in wanted:
+        out[:, :, wanted[FEATURE_FINAL_NORM]] = model.norm(x).float()
+    return out
+
+
+# --- the head ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """The head's shape. Defaults to the target's layer shape (Gemma-3-270M: 640 / 2048 / 4 x 256 / 1 KV head)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    attn_scale: float
+    activation: str
+    embed_scale: float
+    draft_vocab_size: int
+    feature_layers: tuple[int, ...] = (FEATURE_FINAL_NORM,)
+    rope_theta: float = 10_000.0
+    max_position_embeddings: int = 32_768
+
+    @staticmethod
+    def for_target(args: ModelArgs, draft_vocab_size: int, feature_layers: Sequence[int], intermediate_size: int | None = None) -> "EagleConfig":
+        if not args.gemma_norms:
+            raise ValueError(f"model_type '{args.model_type}': the EAGLE head is built for Gemma-3 targets (gemma3_text)")
+        return EagleConfig(
+            hidden_size=args.hidden_size, intermediate_size=intermediate_size or args.intermediate_size,
+            num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, norm_eps=args.norm_eps,
+            attn_scale=args.attn_scale, activation=args.activation, embed_scale=float(args.embed_scale or 1.0),
+            draft_vocab_size=draft_vocab_size, feature_layers=tuple(int(layer) for layer in feature_layers),
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "feature_layers": list(self.feature_layers)}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "EagleConfig":
+        return EagleConfig(**{**data, "feature_layers": tuple(data["feature_layers"])})
+
+    def layer_args(self) -> ModelArgs:
+        """ModelArgs of a one-layer Gemma-3 (full attention, RoPE base rope_theta) for the head's Block."""
+        return ModelArgs(
+            model_type="gemma3_text", vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
+            norm_eps=self.norm_eps, activation=self.activation, attn_scale=self.attn_scale, layer_windows=(None,),
+            layer_rope=("all",), rope_parameters={"all": {"rope_type": "default", "rope_theta": self.rope_theta}},
+            gemma_norms=True, embed_scale=self.embed_scale,
+        )
+
+
+class _HeadRuntime:
+    """What transformer.Batch reads from a model, for the head's one Block (rope tables, masks, dtype)."""
+
+    _rope_table = staticmethod(CausalLM._rope_table)
+    _mask = staticmethod(CausalLM._mask)
+
+    def __init__(self, inv_freq: dict[str, Tensor], compute_dtype: torch.dtype) -> None:
+        self.inv_freq, self.compute_dtype = inv_freq, compute_dtype
+
+
+class EagleHead(nn.Module):
+    """The draft head. Trainable: feature norms/projection, embed/feature norms, fc, the Block. Frozen buffers
+    (not in state_dict, taken from the target by `attach_target`): the embedding table, final norm scale, rows."""
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        H, n = config.hidden_size, len(config.feature_layers)
+        # Gemma's residual stream runs to norms in the hundreds while its final-norm state is O(1): each target
+        # feature is normed before it is mixed, so low, middle and high layers enter on one scale
+        self.feature_norms = nn.ModuleList(RMSNorm(H, config.norm_eps, gemma=True) for _ in range(n))
+        self.feature_proj = nn.Linear(n * H, H, bias=False) if n > 1 else None
+        self.embed_norm = RMSNorm(H, config.norm_eps, gemma=True)
+        self.input_norm = RMSNorm(H, config.norm_eps, gemma=True)  # of the feature entering fc (target's or own)
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.layer = Block(config.layer_args(), 0)
+        self.final_norm = RMSNorm(H, config.norm_eps, gemma=True)
+        self.final_norm.weight.requires_grad_(False)
+        self.register_buffer("embed", torch.zeros(0, H), persistent=False)  # [V_t, H] the target's, shared
+        self.register_buffer("rows", torch.zeros(config.draft_vocab_size, H), persistent=False)  # [V_d, H] frozen
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64), persistent=False)  # [V_d]
+        self.inv_freq = {"all": rope_inv_freq({"rope_type": "default", "rope_theta": config.rope_theta}, config.head_dim)}
+
+    def attach_target(self, target: CausalLM, d2t: Tensor) -> "EagleHead":
+        """Take the frozen parts from the target: its embedding (by reference), final norm and the rows d2t."""
+        if d2t.shape != (self.config.draft_vocab_size,):
+            raise ValueError(f"d2t {tuple(d2t.shape)} must be [{self.config.draft_vocab_size}] (one target id per draft output)")
+        self.embed = target.embed_tokens.weight.detach()
+        self.rows = target.embed_tokens.weight.detach()[d2t].float().clone()  # tied head: the embedding's rows
+        self.d2t = d2t.to(torch.int64).clone()
+        with torch.no_grad():
+            self.final_norm.weight.copy_(target.norm.weight.float())
+        return self
+
+    def init_layer_from(self, target: CausalLM, layer: int) -> "EagleHead":
+        """Start the head's Block from one of the target's layers (same shapes; the MLP cut if narrower)."""
+        source = {name: tensor.float() for name, tensor in target.layers[layer].state_dict().items()}
+        if self.config.intermediate_size != target.args.intermediate_size:
+            keep = slice(0, self.config.intermediate_size)
+            source["mlp.gate_proj.weight"] = source["mlp.gate_proj.weight"][keep]
+            source["mlp.up_proj.weight"] = source["mlp.up_proj.weight"][keep]
+            source["mlp.down_proj.weight"] = source["mlp.down_proj.weight"][:, keep]
+        self.layer.load_state_dict(source)
+        return self
+
+    # -- pieces --------------------------------------------------------------------------------------------------
+
+    def embed_tokens(self, token_ids: Tensor) -> Tensor:
+        """token_ids [..] target ids -> [.., H] float32: the target's embedding, scaled as the target scales it."""
+        scale = torch.tensor(self.config.embed_scale, dtype=self.embed.dtype).float()
+        return F.embedding(token_ids, self.embed).float() * scale
+
+    def project_target(self, features: Tensor) -> Tensor:
+        """The target's features [.., n, H] (feature_layers) -> the head's feature input [.., H]."""
+        normed = [norm(features[..., i, :].float()) for i, norm in enumerate(self.feature_norms)]
+        return self.feature_proj(torch.cat(normed, -1)) if self.feature_proj is not None else normed[0]
+
+    def mix(self, token_ids: Tensor, feature: Tensor) -> Tensor:
+        """[.., H]: fc of the normed token embedding and the normed feature (the target's projected, or own)."""
+        return self.fc(torch.cat([self.embed_norm(self.embed_tokens(token_ids)), self.input_norm(feature)], -1))
+
+    def logits(self, out: Tensor) -> Tensor:
+        """The head's output feature [.., H] -> draft logits [.., V_d] (the target's final norm and rows)."""
+        return self.final_norm(out) @ self.rows.T
+
+    # -- training / evaluation: the unrolled, parallel form ------------------------------------------------------
+
+    def unrolled(self, token_ids: Tensor, features: Tensor, steps: int) -> list[tuple[Tensor, Tensor]]:
+        """Steps 0..steps-1 over whole windows, in parallel (see the module docstring for the attention pattern).
+
+        token_ids [B, T] target ids x_1..x_T of the head's indices (the token AFTER each feature's position);
+        features [B, T, n, H] the target's features h_0..h_{T-1}. Returns per step (logits [B, T, V_d], out
+        [B, T, H]); at step s the first s indices have no chain (they belong to chains starting before 0).
+        """
+        B, T = token_ids.shape
+        attn, block = self.layer.self_attn, self.layer
+        positions = torch.arange(T)[None].expand(B, T)  # [B, T] the features' positions
+        cos, sin = CausalLM._rope_table(positions, self.inv_freq["all"], torch.float32)  # [B, 1, T, D]
+        embedded = self.embed_norm(self.embed_tokens(token_ids))  # [B, T, H] the same at every step
+        feature = self.project_target(features)  # [B, T, H]
+        keys, values, results = [], [], []
+        for step in range(steps):
+            x = self.fc(torch.cat([embedded, self.input_norm(feature)], -1))  # [B, T, H]
+            h = block.input_layernorm(x)
+            q = attn.q_proj(h).view(B, T, attn.num_heads, attn.head_dim)
+            k = attn.k_proj(h).view(B, T, attn.num_kv_heads, attn.head_dim)
+            v = attn.v_proj(h).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+            q, k = attn.q_norm(q).transpose(1, 2), attn.k_norm(k).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, H_q, T, D], [B, H_kv, T, D]
+            keys.append(k)
+            values.append(v)
+            mask = unrolled_mask(T, step)  # [T, (step + 1) T]
+            att = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                                 scale=attn.scale, enable_gqa=attn.num_heads != attn.num_kv_heads)
+            x = x + block.post_attention_layernorm(attn.o_proj(att.transpose(1, 2).reshape(B, T, -1)))
+            out = x + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(x)))  # [B, T, H]
+            results.append((self.logits(out), out))
+            feature = F.pad(out[:, :-1], (0, 0, 1, 0))  # index j reads own output at j - 1 (index 0: no chain)
+        return results
+
+    # -- drafting: one position at a time through a position-indexed cache ---------------------------------------
+
+    def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+        c = self.config
+        return KVCache(1, num_slots, c.num_kv_heads, max_seq_len, c.head_dim)
+
+    @torch.inference_mode()
+    def step(self, token_ids: Tensor, feature: Tensor, positions: Tensor, cache: KVCache, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Run the head on token_ids [B, T] (target ids) with features [B, T, H] (head space: project_target of the
+        target's, or the head's own output) at positions [B, T] (-1 = pad) of cache slots [B]; writes the head's
+        K/V there. Returns (logits [B, T, V_d], out [B, T, H]). Rejected drafts need no undo: the next write at
+        a position overwrites it."""
+        cache.check(positions, slots)
+        x = self.mix(torch.where(positions >= 0, token_ids, 0), feature)  # [B, T, H]
+        kv_length = max(int(positions.max()) + 1, 1)
+        batch = Batch(_HeadRuntime(self.inv_freq, torch.float32), cache, slots, positions, kv_length, None, False)
+        out = self.layer(x, batch)
+        return self.logits(out), out
+
+    @torch.inference_mode()
+    def draft_greedy(self, token_id: int, feature: Tensor, position: int, cache: KVCache, slot: int, gamma: int) -> Tensor:
+        """A greedy chain of gamma draft tokens (target ids [gamma]) after token_id, the token that follows the
+        target's state at `position` (feature: that state in head space [H]). The cache must already hold the
+        head's K/V of every earlier position of the slot."""
+        slots = torch.tensor([slot])
+        tokens = []
+        for offset in range(gamma):
+            logits, out = self.step(torch.tensor([[token_id]]), feature.view(1, 1, -1), torch.tensor([[position + offset]]), cache, slots)
+            token_id = int(self.d2t[logits[0, -1].argmax()])
+            tokens.append(token_id)
+            feature = out[0, -1]
+        return torch.tensor(tokens, dtype=torch.int64)
+
+    def size_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of the trainable weights that ship (the frozen rows/embedding/final norm come from the target)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad) * torch.finfo(dtype).bits // 8
+
+
+def unrolled_mask(length: int, step: int) -> Tensor:
+    """[T, (step + 1) T] bool: which keys (step r, index m) a step-`step` query at index j sees. Step-0 keys at
+    m <= j - step (the target-fed context of the chain's start); step-r keys (1 <= r <= step) only at
+    m = j - step + r (the chain's own earlier draft positions, and itself)."""
+    j = torch.arange(length)[:, None]  # [T, 1]
+    m = torch.arange(length)[None, :]  # [1, T]
+    blocks = [m <= j - step] + [m == j - step + r for r in range(1, step + 1)]
+    mask = torch.cat(blocks, 1)
+    mask[:step, 0] = True  # indices without a chain see one key (no all -inf row); their outputs are ignored
+    return mask
+
+
+# --- losses and the acceptance proxy ----------------------------------------------------------------------------
+
+
+def head_loss(head: EagleHead, token_ids: Tensor, features: Tensor, final_hidden: Tensor, steps: int,
+              regression_weight: float, step_decay: float = 0.8) -> tuple[Tensor, dict[str, float]]:
+    """EAGLE's loss, summed over unrolled steps with weights step_decay**s.
+
+    token_ids [B, T] (x_0..x_{T-1}), features [B, T, n, H], final_hidden [B, T, H] the target's final-norm states
+    (its distribution at each position is final_hidden @ rows.T). Head index j in 0..T-3 reads (h_j, x_{j+1}) and
+    is scored by KL(p_{j+1} || q) over the draft vocabulary plus regression_weight * smooth-L1 between the head's
+    final-normed feature and h_{j+1}. Returns (loss, {kl_s, reg_s per step}).
+    """
+    T = token_ids.shape[1]
+    results = head.unrolled(token_ids[:, 1:T - 1], features[:, : T - 2], steps)
+    target_hidden = final_hidden[:, 1 : T - 1].float()  # [B, T - 2, H]
+    with torch.no_grad():
+        target_logp = torch.log_softmax(target_hidden @ head.rows.T, -1)  # [B, T - 2, V_d]
+    total, parts = 0.0, {}
+    for step, (logits, out) in enumerate(results):
+        logp = torch.log_softmax(logits[:, step:], -1)
+        p_log = target_logp[:, step:]
+        kl = (p_log.exp() * (p_log - logp)).sum(-1).mean()
+        reg = F.smooth_l1_loss(head.final_norm(out[:, step:]), target_hidden[:, step:])
+        total = total + step_decay**step * (kl + regression_weight * reg)
+        parts[f"kl_{step}"], parts[f"reg_{step}"] = float(kl.detach()), float(reg.detach())
+    return total, parts
+
+
+@torch.no_grad()
+def chain_acceptance(head: EagleHead, token_ids: Tensor, features: Tensor, scored: Tensor, gamma: int) -> dict[str, Any]:
+    """Teacher-forced greedy acceptance of gamma-token chains on text the target wrote greedily.
+
+    token_ids [B, T] target ids; features [B, T, n, H]; scored [B, T] bool: positions whose token is the
+    target's greedy choice (its own greedy continuation; not the prompt). A chain starting at index i (the target
+    has verified through token x_{i+1}) drafts x_{i+2}..x_{i+1+gamma} from its own features; on greedy text the
+    target accepts the longest matching prefix, so `prefix_match[k]` = P(first k+1 drafts all match) and the
+    acceptance length at gamma = 1 + sum_k prefix_match[k] (the +1 is the target's own token).
+    Returns {chains, prefix_match [gamma], conditional [gamma], acceptance_length}.
+    """
+    T = token_ids.shape[1]
+    width = T - 2  # head indices 0..T-3
+    results = head.unrolled(token_ids[:, 1 : T - 1], features[:, :width], gamma)
+    labels = token_ids[:, 2:]  # [B, W]: the head at index j predicts x_{j+2}
+    label_ok = scored[:, 2:]
+    matches = [head.d2t[logits.argmax(-1)] == labels for logits, _ in results]  # per step [B, W] bool
+    starts = width - gamma + 1  # chains whose every position is inside the window
+    alive = torch.ones(token_ids.shape[0], starts, dtype=torch.bool)
+    usable = label_ok[:, gamma - 1 : gamma - 1 + starts].clone()  # every label of the chain must be greedy text
+    for k in range(gamma):
+        usable &= label_ok[:, k : k + starts]
+    count = int(usable.sum())
+    prefix = []
+    for k in range(gamma):
+        alive = alive & matches[k][:, k : k + starts]  # step k of the chain that started at i sits at index i + k
+        prefix.append(float((alive & usable).sum()) / max(count, 1))
+    conditional = [prefix[0]] + [prefix[k] / prefix[k - 1] if prefix[k - 1] else 0.0 for k in range(1, gamma)]
+    return {"chains": count, "prefix_match": prefix, "conditional": conditional, "acceptance_length": 1.0 + sum(prefix)}
+
+
+def expected_acceptance_length(rates: Sequence[float]) -> float:
+    """1 + sum_k prod_{i<=k} rates[i]: the acceptance length of greedy chains with conditional per-position rates."""
+    return 1.0 + sum(math.prod(rates[: k + 1]) for k in range(len(rates)))

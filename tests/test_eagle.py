@@ -1,0 +1,150 @@
+"""The EAGLE head (specgate.drafting.eagle) and its recipe's training loop, on a tiny random Gemma-3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specgate.drafting import eagle
+from specgate.drafting.eagle_train import HeadData, HeadTrainConfig, batch_rows, train_head
+
+DRAFT_VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from specgate.models import load_model
+
+    path = tiny_model_dir("gemma3")
+    return path, load_model(str(path)).model
+
+
+def _ids(rows: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(4, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))  # [B, T]
+
+
+def _head(model, layers=(0, eagle.FEATURE_FINAL_NORM), seed: int = 0) -> eagle.EagleHead:
+    torch.manual_seed(seed)
+    d2t = torch.arange(DRAFT_VOCAB) * 5 % model.vocab_size  # [V_d] distinct target ids
+    return eagle.EagleHead(eagle.EagleConfig.for_target(model.args, DRAFT_VOCAB, layers)).attach_target(model, d2t)
+
+
+def test_target_features_match_the_runtime_and_transformers(tiny):
+    from transformers import AutoModelForCausalLM
+
+    path, model = tiny
+    ids = _ids(2, 12, model.vocab_size)
+    feats = eagle.target_features(model, ids, [0, 1, eagle.FEATURE_FINAL_NORM])  # [B, T, 3, H]
+    assert feats.shape == (2, 12, 3, model.args.hidden_size)
+    cache = model.new_cache(2, 12)
+    _, hidden = model.forward(ids, torch.arange(12)[None].expand(2, 12), cache, torch.arange(2), return_hidden=True)
+    torch.testing.assert_close(feats[:, :, 2], hidden.float(), rtol=1e-5, atol=1e-5)  # the runtime's own final-norm state
+    torch.testing.assert_close(model.norm(feats[:, :, 1]), feats[:, :, 2], rtol=1e-5, atol=1e-5)  # last layer = pre-norm
+    reference = AutoModelForCausalLM.from_pretrained(path).float().eval()
+    with torch.no_grad():
+        states = reference(input_ids=ids, output_hidden_states=True).hidden_states  # embeddings, layer 0, ...
+    torch.testing.assert_close(feats[:, :, 0], states[1].float(), rtol=1e-4, atol=1e-4)
+
+
+def test_head_shapes_and_size(tiny):
+    _, model = tiny
+    head = _head(model)
+    ids, feats = _ids(2, 10, model.vocab_size), torch.randn(2, 10, 2, model.args.hidden_size)
+    results = head.unrolled(ids, feats, steps=3)
+    assert len(results) == 3
+    for logits, out in results:
+        assert logits.shape == (2, 10, DRAFT_VOCAB) and out.shape == (2, 10, model.args.hidden_size)
+    trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    assert head.size_bytes() == 2 * trainable
+    assert "rows" not in head.state_dict() and "embed" not in head.state_dict()  # frozen parts come from the target
+
+
+def test_cached_steps_with_own_feature_feedback_equal_the_unrolled_form(tiny):
+    """A draft chain through the cache (target features for the context, then the head's own output fed back)
+    gives the logits the unrolled training form computes at the chain's indices: the training-time-test mask is
+    the draft-time attention."""
+    _, model = tiny
+    head = _head(model).eval()
+    T, steps = 12, 3
+    ids = _ids(1, T + 1, model.vocab_size, seed=3)
+    feats = eagle.target_features(model, ids, head.config.feature_layers)[:, :T]  # h_0..h_{T-1}
+    tokens = ids[:, 1:]  # x_1..x_T: index j reads (h_j, x_{j+1})
+    with torch.no_grad():
+        unrolled = head.unrolled(tokens, feats, steps)
+    for start in (0, 4, 8):
+        cache = head.new_cache(1, T + 2)
+        slots = torch.tensor([0])
+        with torch.no_grad():
+            projected = head.project_target(feats[:, : start + 1])  # [1, start + 1, H]
+        logits, out = head.step(tokens[:, : start + 1], projected, torch.arange(start + 1)[None], cache, slots)
+        torch.testing.assert_close(logits[0, -1], unrolled[0][0][0, start], rtol=1e-4, atol=1e-4)
+        for step in range(1, steps):
+            index = start + step
+            logits, out = head.step(tokens[:, index : index + 1], out[:, -1:], torch.tensor([[index]]), cache, slots)
+            torch.testing.assert_close(logits[0, -1], unrolled[step][0][0, index], rtol=1e-4, atol=1e-4)
+
+
+def test_draft_greedy_feeds_its_own_tokens_and_features(tiny):
+    _, model = tiny
+    head = _head(model).eval()
+    ids = _ids(1, 9, model.vocab_size, seed=5)
+    feats = eagle.target_features(model, ids, head.config.feature_layers)
+    cache, slots = head.new_cache(1, 16), torch.tensor([0])
+    with torch.no_grad():
+        projected = head.project_target(feats[:, :7])
+    head.step(ids[:, 1:7], projected[:, :6], torch.arange(6)[None], cache, slots)  # context: positions 0..5
+    drafted = head.draft_greedy(int(ids[0, 7]), projected[0, 6], 6, cache, 0, gamma=3)
+    assert drafted.shape == (3,) and set(drafted.tolist()) <= set(head.d2t.tolist())
+    # the same chain by hand: each step's argmax (through d2t) is the next step's token, its output the next feature
+    logits, out = head.step(ids[:, 7:8], projected[:, 6:7], torch.tensor([[6]]), cache, slots)
+    first = int(head.d2t[logits[0, -1].argmax()])
+    logits, _ = head.step(torch.tensor([[first]]), out, torch.tensor([[7]]), cache, slots)
+    assert [first, int(head.d2t[logits[0, -1].argmax()])] == drafted[:2].tolist()
+
+
+def _synthetic(model, rows: int = 8, length: int = 16) -> HeadData:
+    ids = _ids(rows, length, model.vocab_size, seed=7)
+    feats = eagle.target_features(model, ids, [0, eagle.FEATURE_FINAL_NORM])
+    return HeadData(ids, feats, feats[:, :, 1].clone())
+
+
+def test_training_reduces_the_loss(tiny):
+    _, model = tiny
+    head = _head(model)
+    config = HeadTrainConfig(steps=40, batch_size=4, lr=3e-3, warmup_steps=2, unroll_steps=2, checkpoint_every=1000)
+    losses = train_head(head, _synthetic(model), config, checkpoint=None)
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+
+
+def test_resume_equals_an_uninterrupted_run(tiny, tmp_path):
+    _, model = tiny
+    data = _synthetic(model)
+    config = HeadTrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=2, unroll_steps=2, checkpoint_every=3)
+    straight = _head(model)
+    straight_losses = train_head(straight, data, config, checkpoint=tmp_path / "a.pt")
+    interrupted = _head(model)
+    train_head(interrupted, data, config, checkpoint=tmp_path / "b.pt", stop_after=3)
+    resumed = _head(model, seed=123)  # a fresh process's head: everything must come from the checkpoint
+    resumed_losses = train_head(resumed, data, config, checkpoint=tmp_path / "b.pt")
+    assert resumed_losses == straight_losses
+    for name, tensor in straight.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name
+
+
+def test_batch_rows_is_a_pure_function_of_the_step():
+    assert torch.equal(batch_rows(5, 20, 4, 0), batch_rows(5, 20, 4, 0))
+    epoch = torch.cat([batch_rows(step, 20, 4, 0) for step in range(5)])
+    assert sorted(epoch.tolist()) == list(range(20))  # one epoch visits every window once
+
+
+def test_chain_acceptance_counts_prefixes(tiny):
+    _, model = tiny
+    head = _head(model).eval()
+    ids = _ids(2, 20, model.vocab_size, seed=9)
+    feats = eagle.target_features(model, ids, head.config.feature_layers)
+    scored = torch.ones_like(ids, dtype=torch.bool)
+    result = eagle.chain_acceptance(head, ids, feats, scored, gamma=4)
+    prefix = result["prefix_match"]
+    assert all(a >= b for a, b in zip(prefix, prefix[1:])) and 1.0 <= result["acceptance_length"] <= 5.0
+    assert eagle.chain_acceptance(head, ids, feats, torch.zeros_like(scored), gamma=4)["chains"] == 0
+    assert eagle.expected_acceptance_length([1.0, 1.0]) == 3.0 and eagle.expected_acceptance_length([0.5, 0.5]) == 1.75
