@@ -70,7 +70,7 @@ def expected_to_run(facts: MachineFacts, nodeid: str) -> str | None:
         if AVX512_PARAM in params and not AVX512_FLAGS <= facts.cpu_flags:
             return None  # the AVX-512 variant on a CPU without AVX-512
         wide = " with AVX-512" if AVX512_PARAM in params else ""
-        return f"the native kernel builds here (x86-64, AVX2/FMA{wide}, a C compiler)"
+        return f"the native kernel builds here (x86-64, AVX2/FMA/F16C{wide}, a C compiler)"
     if nodeid == CHROMIUM_TEST and facts.debian_with_apt:
         return "Debian with apt-get: `make test` installs chromium before the tests"
     return None

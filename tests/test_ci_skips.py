@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ci_skips import CHROMIUM_TEST, MachineFacts, Skip, expected_to_run, hidden_skips, skip_summary, under_ci
 
-AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512bw"}
 BUILDER = MachineFacts(x86_64=True, c_compiler=True, cpu_flags=AVX2, debian_with_apt=False)
 
@@ -30,7 +30,7 @@ OTHER_SKIP = Skip("tests/test_engines_llamacpp.py::test_server", "llama.cpp not 
 def test_a_native_kernel_skip_is_hidden_only_where_the_kernel_builds():
     assert hidden_skips(BUILDER, [NATIVE_SKIP]) == [
         f"{NATIVE_SKIP.nodeid}: skipped (no C compiler or no AVX2/FMA on this CPU), but the native kernel builds here "
-        "(x86-64, AVX2/FMA, a C compiler)"
+        "(x86-64, AVX2/FMA/F16C, a C compiler)"
     ]
     assert len(hidden_skips(BUILDER, [Skip("tests/test_native_kernel.py", "module skipped")])) == 1  # the whole module
     assert hidden_skips(BUILDER, [Skip("tests/test_native_kernel_extra.py::test_x", "other file")]) == []
