@@ -12,27 +12,13 @@ compare float32 logits with transformers); the CLI's `--dtype auto` uses default
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
+
+from specgate.models.cpu import cpu_flags
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 WEIGHT_CHOICES = (*DTYPE_CHOICES, "gguf", "int8")  # --dtype of a target: also a GGUF's own blocks, or Q8_0 on load
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The feature flags of the first CPU in /proc/cpuinfo (empty where the file does not exist)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
 
 
 def native_bf16(flags: frozenset[str] | None = None) -> bool:
@@ -46,7 +32,7 @@ def default_dtype(flags: frozenset[str] | None = None) -> torch.dtype:
     amx_bf16), or AVX2 + FMA for specgate's native kernel; else float32. For this machine (flags None) the
     kernel must also have been built (a C compiler, SPECGATE_NATIVE != 0); for given flags, a compiler is assumed."""
     if flags is None:
-        from specgate.models import native  # lazy: native imports cpu_flags from here
+        from specgate.models import native  # lazy: building the kernel is not needed to import dtypes
 
         return torch.bfloat16 if native_bf16() or native.available() else torch.float32
     return torch.bfloat16 if native_bf16(flags) or {"avx2", "fma"} <= flags else torch.float32

@@ -27,8 +27,9 @@ from typing import Any, Iterator
 
 import torch
 
-from specgate.models.quant import QUANTIZED_FORMATS, QuantEmbedding, QuantLinear, QuantWeight, quantize_q8_0, read_gguf_weights
-from specgate.models.transformer import SUPPORTED_MODEL_TYPES, CausalLM, ModelArgs
+from specgate.models.gguf_weights import read_gguf_weights
+from specgate.models.quant import QUANTIZED_FORMATS, QuantWeight, quantize_q8_0
+from specgate.models.transformer import SUPPORTED_MODEL_TYPES, CausalLM, ModelArgs, QuantEmbedding, QuantLinear
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub are imported anywhere here
 

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specgate.models.dtypes import cpu_flags
+from specgate.models.cpu import cpu_flags
 from specgate.models.quant import QuantWeight
 
 SKINNY_MAX_ROWS = 20  # a float32 LM head (>= HEAD_ELEMENTS): faster than oneDNN at every row count up to 20 (83 vs 102 ms)

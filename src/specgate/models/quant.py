@@ -19,11 +19,10 @@ the target model (its logits are no longer the checkpoint's), so it happens only
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 # ggml type number -> (weights per block, bytes per block); the kinds the C kernels read
 BLOCKS = {8: (32, 34), 6: (32, 22), 12: (256, 144), 14: (256, 210)}
@@ -120,109 +119,3 @@ def quantize_q8_0(weight: Tensor) -> QuantWeight:
     scale = d.to(torch.float16).view(torch.uint8).reshape(rows, k // 32, 2)
     data = torch.cat([scale, q.view(torch.uint8)], dim=-1).reshape(rows, k // 32 * 34).contiguous()
     return QuantWeight((QuantPart(8, data),), k)
-
-
-class QuantLinear(nn.Module):
-    """An nn.Linear whose weight is a QuantWeight (bias float32 or None); transformer.linear multiplies by it."""
-
-    def __init__(self, weight: QuantWeight, bias: Tensor | None = None) -> None:
-        super().__init__()
-        self.weight = weight
-        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self.out_features, self.in_features = weight.shape
-
-    def forward(self, x: Tensor) -> Tensor:
-        from specgate.models.transformer import linear
-
-        return linear(x, self.weight, self.bias)
-
-
-class QuantEmbedding(nn.Module):
-    """An nn.Embedding whose table is a one-part QuantWeight: a lookup dequantizes the rows it reads (in C)."""
-
-    def __init__(self, weight: QuantWeight) -> None:
-        super().__init__()
-        if len(weight.parts) != 1:
-            raise ValueError("a quantized embedding table has one part")
-        self.weight = weight
-        self.num_embeddings, self.embedding_dim = weight.shape
-
-    def forward(self, ids: Tensor) -> Tensor:
-        from specgate.models import native
-
-        flat = ids.reshape(-1).contiguous()
-        return native.dequantize_rows(self.weight, flat).view(*ids.shape, self.embedding_dim)
-
-
-# --- the GGUF's own tensors -------------------------------------------------------------------------------
-
-
-def _gguf_arch(model_type: str) -> str:
-    return {"gemma3_text": "gemma3", "qwen2": "qwen2", "llama": "llama", "mistral": "llama"}.get(model_type, model_type)
-
-
-def read_gguf_weights(path: Any, config: Any) -> tuple[dict[str, QuantWeight], dict[str, Tensor]]:
-    """The runtime's parameters from a .gguf: (quantized matrices by runtime name, float32 tensors by runtime name).
-
-    Matrices of a served kind (Q8_0, Q5_0, Q4_K, Q6_K) stay as shipped; norms and biases are read as float32
-    (Gemma's norms stored as 1 + w, as llama.cpp's converter writes them, are turned back into w); Llama and
-    Mistral q/k rows are un-permuted (whole rows: exact on quantized blocks), as transformers does.
-    Raises ValueError for a matrix of another kind (the fix: --dtype bfloat16)."""
-    from gguf import GGUFReader, MODEL_ARCH_NAMES, GGMLQuantizationType, dequantize, get_tensor_name_map
-
-    from specgate.models.transformer import ModelArgs
-
-    args = ModelArgs.from_hf_config(config)
-    arch_name = _gguf_arch(args.model_type)
-    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == arch_name), None)
-    if arch is None:
-        raise ValueError(f"gguf does not know the architecture {arch_name!r}")
-    name_map = get_tensor_name_map(arch, args.num_layers)
-    reader = GGUFReader(str(path))
-    by_name = {tensor.name: tensor for tensor in reader.tensors}
-    quantized: dict[str, QuantWeight] = {}
-    floats: dict[str, Tensor] = {}
-    for runtime_name in runtime_parameter_names(args):
-        module, _, suffix = runtime_name.rpartition(".")
-        gguf_name = name_map.get_name("model." + module) or name_map.get_name(module)
-        tensor = by_name.get(f"{gguf_name}.{suffix}") if gguf_name else None
-        if tensor is None:
-            if runtime_name == "lm_head.weight" and args.tie_word_embeddings:
-                continue
-            raise ValueError(f"the GGUF has no tensor for {runtime_name} (looked for {gguf_name}.{suffix})")
-        kind = int(tensor.tensor_type)
-        rows_k = [int(n) for n in reversed(tensor.shape)]  # ggml's shape is [K, N]
-        is_matrix = len(rows_k) == 2 and suffix == "weight" and "norm" not in module
-        if is_matrix:
-            if kind not in BLOCKS:
-                raise ValueError(
-                    f"{tensor.name} is {GGMLQuantizationType(kind).name}: the quantized kernels read "
-                    f"{', '.join(KIND_NAMES.values())}; load this GGUF with --dtype bfloat16 or float32"
-                )
-            data = torch.from_numpy(np.array(tensor.data, copy=True)).view(torch.uint8).reshape(rows_k[0], -1)
-            if args.model_type in ("llama", "mistral") and module.endswith(("q_proj", "k_proj")):
-                heads = args.num_heads if module.endswith("q_proj") else args.num_kv_heads
-                data = _unpermute_rows(data, heads)
-            quantized[runtime_name] = QuantWeight((QuantPart(kind, data.contiguous()),), rows_k[1])
-            continue
-        values = torch.from_numpy(dequantize(tensor.data, GGMLQuantizationType(kind)).astype(np.float32)).reshape(rows_k)
-        if args.gemma_norms and "norm" in module:
-            values = values - 1.0
-        floats[runtime_name] = values.contiguous()
-    return quantized, floats
-
-
-def _unpermute_rows(data: Tensor, heads: int) -> Tensor:
-    """llama.cpp's converter interleaves the two RoPE halves of each head's q/k rows; put them back (rows only)."""
-    rows = data.shape[0]
-    dim = rows // heads // 2
-    return data.reshape(heads, dim, 2, -1).transpose(1, 2).reshape(rows, -1)
-
-
-def runtime_parameter_names(args: Any) -> list[str]:
-    """Every parameter name of a CausalLM with these ModelArgs (tied head included)."""
-    from specgate.models.transformer import CausalLM
-
-    with torch.device("meta"):
-        model = CausalLM(args)
-    return [name for name, _ in model.named_parameters(remove_duplicate=False)]

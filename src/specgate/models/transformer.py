@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from specgate.models.dtypes import native_bf16
 from specgate.models import native
 from specgate.models.kv_cache import KVCache
-from specgate.models.quant import QuantLinear, QuantWeight
+from specgate.models.quant import QuantWeight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -230,6 +230,34 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class QuantLinear(nn.Module):
+    """An nn.Linear whose weight is a QuantWeight (bias float32 or None); transformer.linear multiplies by it."""
+
+    def __init__(self, weight: QuantWeight, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class QuantEmbedding(nn.Module):
+    """An nn.Embedding whose table is a one-part QuantWeight: a lookup dequantizes the rows it reads (in C)."""
+
+    def __init__(self, weight: QuantWeight) -> None:
+        super().__init__()
+        if len(weight.parts) != 1:
+            raise ValueError("a quantized embedding table has one part")
+        self.weight = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1).contiguous()
+        return native.dequantize_rows(self.weight, flat).view(*ids.shape, self.embedding_dim)
 
 
 def _quant_linear(x: Tensor, weight: QuantWeight, bias: Tensor | None) -> Tensor:
