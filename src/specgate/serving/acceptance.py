@@ -25,9 +25,10 @@ MAX_POSITIONS = 64  # draft positions tracked (the policies' gamma limit)
 REQUEST_DECAY = 0.8  # a request's counts: ~5 recent steps of evidence
 TRAFFIC_DECAY = 0.98  # the traffic estimate: ~50 recent verified drafts
 PRIOR_WEIGHT = 1.0  # pseudo-tests of the prior per position (the traffic's estimate against FLAT_PRIOR)
-# a request's estimate against the traffic's: a request's own few tests mostly measure noise. Run 41 (bench_acceptance.py
-# --prior-weights, n-gram drafts, C=4): with 1 pseudo-test, rows estimated lowest (a_1 0.61) were accepted at 0.85 and the
-# highest (0.98) at 0.97; over 33,891 tested positions the Brier score fell from 0.0638 (1) to 0.0595 (8), flat to 32
+# a request's estimate against the traffic's: a request's own few tests mostly measure noise. Re-blending recorded
+# steps with other weights (n-gram drafts, C=4) and scoring them on what was accepted: with 1 pseudo-test, the rows
+# estimated lowest (a_1 0.61) were accepted at 0.85; over 33,891 tested positions the Brier score fell from 0.0638
+# (weight 1) to 0.0595 (8), flat up to 32 (docs/BENCHMARKS.md, changelog)
 REQUEST_PRIOR_WEIGHT = 8.0
 STALE_DECAY = 0.9  # a step without drafts (draft model: no evidence) ages a request's counts towards the prior
 

@@ -79,7 +79,7 @@ from specgate.serving.policy import SpeculationPolicy
 # unbiased). Without this, positions beyond the chosen gamma are never tested, their estimate stays at the prior,
 # and the policy never tries longer drafts (measured at concurrency 2: stuck at gamma 2 on copy-span prompts).
 # A request's estimate counts request_prior_weight pseudo-tests of the traffic's profile: with one, its handful of
-# own tests spread the estimates far wider than the rows' acceptance (run 41, docs/BENCHMARKS.md).
+# own tests spread the estimates far wider than the rows' acceptance (acceptance.REQUEST_PRIOR_WEIGHT).
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 
 
@@ -201,9 +201,9 @@ class Scheduler:
     every lookup proposal (scored against the output for the acceptance estimates, whatever the policy drafts of
     it); None: the policy's max gamma (>= 1). A benchmark that swaps policies on one scheduler sets it to the
     adaptive policy's gamma_max, so that a narrower policy's steps do not leave the deep positions' estimates
-    without evidence for the adaptive one (bench/bench_slices.py). request_prior_weight: pseudo-tests of the
+    without evidence for the adaptive one. request_prior_weight: pseudo-tests of the
     traffic's profile in each request's estimate (acceptance.REQUEST_PRIOR_WEIGHT: a request's few own tests are
-    shrunk towards the traffic's, the weight that scored the next drafts best in run 41). clock: a function giving
+    shrunk towards the traffic's, the weight whose estimates scored the next drafts best). clock: a function giving
     seconds, for the request times (arrival, timeouts, first token, inter-token latencies, finish; trace
     "end_s"); default time.perf_counter. Tests pass a fake one so that timeouts depend on steps, not on the host's
     speed. The step costs the policy learns from are always measured with time.perf_counter.
@@ -572,7 +572,7 @@ class Scheduler:
                 "emitted": committed, "rows_emitted": rows_emitted, "rows_before": rows_before,
                 "step_ms": 1e3 * (time.perf_counter() - step_start),
                 "forward_ms": 1e3 * result.forward_s, "draft_ms": 1e3 * draft_s, "prefill_tokens": self.last_prefill_tokens,
-                # what the policy was given and ran, per row (for counterfactuals offline: bench/bench_counterfactual.py)
+                # what the policy was given and ran, per row (for offline counterfactuals of the policy)
                 "rows_id": [r.request_id for r in running], "rows_caps": caps, "rows_drafts": num_drafts,
                 "predicted_plans": self.policy.plans_priced() if hasattr(self.policy, "plans_priced") else None,
             })
@@ -593,10 +593,8 @@ class Scheduler:
 
         Position by position, not once resolved: a proposal that fails resolves at its mismatch, one that holds
         only once the output covers it (up to 8 tokens, 2-4 steps later), so counting whole proposals at
-        resolution put the recent failures in a request's estimate before the successes made with them. Measured
-        (bench/bench_acceptance.py, Gemma-3-270M, bench prompts, concurrency 4, adaptive, resolution counting):
-        position 1 estimated 0.856 on average against 0.892 accepted, and where the policy chose width 1, width 3's
-        accepted drafts predicted 1.67 per row against 1.86 (docs/BENCHMARKS.md, Serving, diag 17)."""
+        resolution put the recent failures in a request's estimate before the successes made with them, and the
+        estimates ran 3-4 points low (docs/BENCHMARKS.md, changelog)."""
         pending = []
         for proposal in proposals:
             known = request.tokens[proposal.start : proposal.start + len(proposal.tokens)]

@@ -55,8 +55,8 @@ class ServerConfig:
     def resolved_gamma(self) -> int:
         """--gamma, or the policy's default when it is left out: fixed 4, adaptive gamma_max 8 (DEFAULT_GAMMA_MAX).
 
-        Why two defaults: at concurrency 1 the best fixed setting on this machine is gamma 8 (bench_slices runs
-        24-28), and an adaptive policy capped at 4 could not reach it (fixed gamma 4 made 0.89x of gamma 8 in run 28);
+        Why two defaults: at concurrency 1 the best fixed setting on this machine is gamma 8 (docs/BENCHMARKS.md,
+        serving sweep), and an adaptive policy capped at 4 could not reach it;
         the adaptive policy picks narrower widths itself where the load makes them pay."""
         if self.gamma is not None:
             return self.gamma
