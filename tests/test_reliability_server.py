@@ -273,11 +273,15 @@ def test_nan_logits_fail_one_request_while_a_concurrent_one_is_served(tiny_path)
         handle.stop()
 
 
+CLOSED = (httpx.ConnectError, httpx.RemoteProtocolError)  # refused, or queued and reset as the socket closed
+
+
 def refusing(url: str) -> bool:
-    """The server has taken a SIGTERM: /health says it is draining, or its socket is closed."""
+    """The server has taken a SIGTERM: /health says it is draining, or its socket is closed (a connection the
+    kernel queued just before the listening socket closed is reset unanswered: the same refusal, seen later)."""
     try:
         return httpx.get(url + "/health", timeout=10).status_code == 503
-    except httpx.ConnectError:
+    except CLOSED:
         return True
 
 
@@ -300,7 +304,7 @@ def test_sigterm_drains_the_in_flight_stream_refuses_new_requests_and_exits_0(ti
             try:  # a new request after SIGTERM: 503 while the socket is still open, or refused once it is closed
                 late = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=key, timeout=10)
                 assert_error(late, 503, code="server_draining")
-            except httpx.ConnectError:
+            except CLOSED:
                 pass
             rest = [first, *(line for line in lines if line)]
         assert rest[-1] == "data: [DONE]"
