@@ -79,14 +79,22 @@ def start_llama(binary: Path, gguf: Path, port: int, threads: int, spec: list[st
     return process
 
 
-def start_specgate(gguf: Path, port: int, threads: int, policy: list[str], slots: int) -> subprocess.Popen:
-    """`specgate serve` on the GGUF's own blocks with n-gram drafts (loading and calibration take a while)."""
-    command = [sys.executable, "-m", "specgate", "serve", "--target", str(gguf), "--dtype", "gguf", "--draft", "ngram",
-               "--port", str(port), "--max-num-seqs", str(slots), "--max-waiting", "1024", "--max-seq-len", "1024", *policy]
+def start_specgates(gguf: Path, threads: int, slots: int, policies: dict[int, list[str]]) -> list[subprocess.Popen]:
+    """`specgate serve` on the GGUF's own blocks with n-gram drafts, one per port -> policy flags, started together
+    (loading and the adaptive policy's calibration take minutes on a busy 2-core machine)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    wait_healthy(f"http://127.0.0.1:{port}", process, 900, command)
-    return process
+    started = []
+    for port, policy in policies.items():
+        command = [sys.executable, "-m", "specgate", "serve", "--target", str(gguf), "--dtype", "gguf", "--draft", "ngram",
+                   "--port", str(port), "--max-num-seqs", str(slots), "--max-waiting", "1024", "--max-seq-len", "1024", *policy]
+        started.append((subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env), port, command))
+    try:
+        for process, port, command in started:
+            wait_healthy(f"http://127.0.0.1:{port}", process, 1800, command)
+    except RuntimeError:
+        stop([process for process, _, _ in started])
+        raise
+    return [process for process, _, _ in started]
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -303,8 +311,9 @@ def run_served(gguf: Path, threads: int, tokens: int, rounds: int, gamma: int, l
                port: int = 18400, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every lane at every level, lanes in turn (reversed every second round); lane -> level -> tok/s per round."""
     specgate_ports = {lane: port + 10 + i for i, lane in enumerate(SPECGATE_SERVED_POLICIES)}
-    specgate_servers = [start_specgate(gguf, specgate_ports[lane], threads, [s.format(gamma=gamma) for s in policy], max(levels))
-                        for lane, policy in SPECGATE_SERVED_POLICIES.items()]
+    specgate_servers = start_specgates(gguf, threads, max(levels), {specgate_ports[lane]: [s.format(gamma=gamma) for s in policy]
+                                                                    for lane, policy in SPECGATE_SERVED_POLICIES.items()})
+    log(f"specgate servers up: {', '.join(specgate_ports)}")
     runs: dict[str, dict[int, list[float]]] = {lane: {} for lane in [*LLAMA_SERVED_SPECS, *SPECGATE_SERVED_POLICIES]}
     try:
         for level in levels:
