@@ -18,6 +18,8 @@
     verifier   the verifier's time per call next to one target step
     montecarlo the lesson's pure-Python loop against specgate.simulate, alternating runs
     overload   a `specgate serve` subprocess at a multiple of its capacity, and the checks of a PASS
+    llamacpp   specgate against llama-server on the same GGUF: decode lanes, and served lanes (closed-loop HTTP
+               clients at each concurrency, `specgate serve` vs `llama-server -np C`), best lane per engine, ratios
 
 Outputs are written under out/ (ignored by git) and regenerated, not committed; docs/BENCHMARKS.md holds the
 latest tables with the command that produced each.

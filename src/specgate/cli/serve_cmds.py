@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
         max_waiting: int = typer.Option(64, help="Requests allowed to wait for a slot; more get HTTP 429."),
         max_seq_len: int = typer.Option(1024, help="Positions per KV slot: prompt + max_tokens must fit."),
         served_model_name: str = typer.Option(None, help="Model id reported by /v1/models (default: the target's name)."),
-        dtype: str = typer.Option("auto", help="Weights dtype for target and draft: auto (bfloat16 weights with float32 arithmetic where the native kernel runs or the CPU has bf16 instructions, else float32), float32 or bfloat16."),
+        dtype: str = typer.Option("auto", help="Target weights: auto (a .gguf target's own quantized blocks where the native kernels run, else bfloat16 weights with float32 arithmetic where the native kernel runs or the CPU has bf16 instructions, else float32), gguf, int8 (Q8_0 on load: changes the target model), float32 or bfloat16. A draft model gets the torch dtype."),
         lossy: str = typer.Option(None, help="LOSSY verification for cost studies: typical (Medusa) or synthetic:0.8,0.6 (fixed acceptance rates); metrics say lossless=\"false\"."),
         request_timeout_s: float = typer.Option(None, help="End a request still running this many seconds after arrival (HTTP 504; default: no limit)."),
         max_body_bytes: int = typer.Option(1 << 20, help="Largest request body accepted, in bytes (HTTP 413 above it)."),
@@ -35,11 +35,14 @@ def register(app: typer.Typer) -> None:
 
         SIGTERM drains: new requests get 503, running ones finish, then the process exits 0.
         """
-        from specgate.models.dtypes import default_dtype_name
+        from specgate.models.dtypes import resolve_weights, weights_name
         from specgate.serving.server import ServerConfig, build_engine
         from specgate.serving.server import serve as run_server
 
-        dtype = default_dtype_name() if dtype == "auto" else dtype
+        try:
+            dtype = weights_name(resolve_weights(dtype, target))  # auto -> gguf for a .gguf target, as in `generate`
+        except ValueError as exc:
+            raise common.UserError(str(exc)) from None
 
         config = ServerConfig(
             target=target, draft=draft, host=host, port=port, policy=policy, gamma=gamma, gamma_table=gamma_table,

@@ -90,7 +90,7 @@ class GateOptions:
         specs = self.specs or (self.drafts if engine == "specgate" else launch.DEFAULT_SPECS.get(engine, []))
         return launch.LaunchOptions(
             engine=engine, target=self.target, specs=list(specs), gamma=self.gamma, gammas=list(self.gammas),
-            max_num_seqs=self.max_num_seqs, max_seq_len=self.max_seq_len, dtype=resolve_dtype(self.dtype), lossy=self.lossy,
+            max_num_seqs=self.max_num_seqs, max_seq_len=self.max_seq_len, dtype=resolve_dtype(self.dtype, self.target), lossy=self.lossy,
             model=self.model, threads=self.threads, server_cmd=self.server_cmd, baseline_cmd=self.baseline_cmd,
         )
 
@@ -127,8 +127,8 @@ class GateOptions:
         if not self.external and self.engine in (None, "specgate") and not self.server_cmd and self.target != "gemma-3-270m" \
                 and not Path(self.target).expanduser().exists():
             raise ValueError(f"--target {self.target!r} does not exist: give gemma-3-270m, a local HF directory or a .gguf file")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"--dtype {self.dtype!r} is not supported: use auto, float32 or bfloat16")
+        if self.dtype not in GATE_WEIGHTS:
+            raise ValueError(f"--dtype {self.dtype!r} is not supported: use one of {', '.join(GATE_WEIGHTS)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads {self.threads} must be >= 1")
         self.thresholds.validate()
@@ -149,17 +149,17 @@ def check_out_dir(out: Path) -> Path:
     return out
 
 
-def resolve_dtype(dtype: str) -> str:
-    """'auto' -> the runtime's default dtype name (specgate.models.default_dtype where it exists, else float32)."""
+GATE_WEIGHTS = ("auto", "float32", "bfloat16", "gguf", "int8")  # specgate.models.dtypes.WEIGHT_CHOICES
+
+
+def resolve_dtype(dtype: str, target: str = "") -> str:
+    """'auto' -> what `specgate serve --dtype auto` loads TARGET in (specgate.models.dtypes.resolve_weights): a .gguf
+    target's own blocks ("gguf") where the native kernels run, else the runtime's default dtype name."""
     if dtype != "auto":
         return dtype
-    try:
-        from specgate.models.dtypes import default_dtype  # the performance issue's helper
-    except ImportError:
-        return "float32"
-    import torch
+    from specgate.models.dtypes import resolve_weights, weights_name
 
-    return {torch.bfloat16: "bfloat16"}.get(default_dtype(), "float32")
+    return weights_name(resolve_weights(dtype, target))
 
 
 # ------------------------------------------------------------------------------------------ servers
@@ -496,13 +496,12 @@ def score_quality(options: GateOptions, plan: Plan, results: dict[str, dict], no
         notes.append("target scoring skipped (--no-score): no perplexity, no sampled log-likelihood test")
         return scored
     try:
-        import torch
-
         from specgate.models import load_model
+        from specgate.models.dtypes import resolve_weights
 
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_dtype(options.dtype)]
+        weights = resolve_weights(resolve_dtype(options.dtype, options.target), options.target)  # as the served target
         log(f"scoring with the target {options.target} in this process")
-        loaded = load_model(options.target, dtype=dtype)
+        loaded = load_model(options.target, dtype=weights)
         scorer = quality.TargetScorer(loaded)
         scored["tokenizer"] = loaded.tokenizer  # token positions of greedy mismatches
     except (FileNotFoundError, ValueError, OSError) as exc:

@@ -31,6 +31,9 @@ from specgate.serving.policy import DEFAULT_FIXED_GAMMA, DEFAULT_GAMMA_MAX, POLI
 from specgate.serving.scheduler import Scheduler
 
 
+SERVED_WEIGHTS = ("auto", "float32", "bfloat16", "gguf", "int8")  # specgate.models.dtypes.WEIGHT_CHOICES (not imported: torch)
+
+
 @dataclass
 class ServerConfig:
     target: Any  # a model name / path for load_model, or a LoadedModel
@@ -46,7 +49,7 @@ class ServerConfig:
     max_seq_len: int = 1024  # positions per slot (prompt + max_tokens)
     served_model_name: str | None = None
     default_max_tokens: int = 16
-    dtype: str = "float32"  # weights dtype of target and draft: float32 or bfloat16
+    dtype: str = "float32"  # target weights: auto, float32, bfloat16, gguf (a .gguf's own blocks) or int8 (Q8_0 on load); drafts get draft_dtype
     lossy: str | None = None  # LOSSY verification: "typical" (Medusa) or "synthetic:R1,R2,..." (fixed rates)
     request_timeout_s: float | None = None  # a request still running this long after arrival ends (504); None = never
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
@@ -75,8 +78,8 @@ class ServerConfig:
                 "--lossy synthetic:RATE (labelled lossy), or a real draft model"
             )
         parse_lossy(self.lossy)
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--dtype {self.dtype!r} is not supported: use float32 or bfloat16")
+        if self.dtype not in SERVED_WEIGHTS:
+            raise ValueError(f"--dtype {self.dtype!r} is not supported: use one of {', '.join(SERVED_WEIGHTS)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key is empty: give a non-empty key or leave the option out")
         if self.request_timeout_s is not None and not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
@@ -121,11 +124,12 @@ def build_engine(config: ServerConfig) -> Engine:
     """Load the models, build the policy (calibrating the adaptive cost model on this machine) and the app."""
     from specgate.models import load_model
 
-    config.validate()
-    import torch
+    from specgate.models.dtypes import draft_dtype, resolve_weights
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-    target = load_model(config.target, dtype=dtype) if isinstance(config.target, str) else config.target
+    config.validate()
+    weights = resolve_weights(config.dtype, config.target if isinstance(config.target, str) else "")  # a dtype, "gguf" or "int8"
+    target = load_model(config.target, dtype=weights) if isinstance(config.target, str) else config.target
+    dtype = draft_dtype(weights)  # a draft model's torch dtype (bf16 / float32 beside a quantized target)
     draft = config.draft
     if draft == "default":  # the target's registered draft model (ValueError naming the options if none)
         from specgate.drafting import make_drafter

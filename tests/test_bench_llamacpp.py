@@ -1,0 +1,69 @@
+"""The specgate-vs-llama.cpp method (specgate.bench.llamacpp): the closed loop sends each request once in order and
+counts every token; the served summary picks each engine's best lane per level and divides (hand-computed values);
+and a served lane runs against a real `specgate serve` of a tiny quantized model."""
+
+import threading
+import time
+
+import pytest
+
+from specgate.bench import llamacpp as method
+
+
+def test_closed_loop_sends_every_request_once_with_at_most_c_in_flight():
+    seen, in_flight, peak = [], [0], [0]
+    lock = threading.Lock()
+
+    def send(prompt, max_tokens):
+        with lock:
+            seen.append(prompt)
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+        time.sleep(0.01)
+        with lock:
+            in_flight[0] -= 1
+        return {"text": prompt.upper(), "tokens": max_tokens}
+
+    result = method.closed_loop(send, ["a", "b", "c"], concurrency=3, requests=7, max_tokens=5)
+    assert sorted(seen) == sorted(["a", "b", "c", "a", "b", "c", "a"]) and peak[0] == 3
+    assert result.tokens == 35 and result.texts == ["A", "B", "C", "A", "B", "C", "A"]
+    assert result.tokens_per_s == pytest.approx(35 / result.wall_s)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        method.closed_loop(send, ["a"], concurrency=0, requests=1, max_tokens=1)
+
+
+def test_closed_loop_raises_a_failed_request():
+    def send(prompt, max_tokens):
+        raise ConnectionError("refused")
+
+    with pytest.raises(ConnectionError, match="refused"):
+        method.closed_loop(send, ["a"], concurrency=2, requests=4, max_tokens=1)
+
+
+def test_served_summary_takes_the_best_lane_of_each_engine_per_level():
+    runs = {
+        "llama.cpp": {1: [50.0, 60.0, 55.0], 4: [100.0]},
+        "llama.cpp ngram-mod": {1: [70.0, 80.0, 90.0], 4: [90.0]},
+        "specgate adaptive": {1: [100.0, 120.0, 110.0], 4: [80.0, 84.0]},
+        "specgate fixed": {1: [40.0], 4: [150.0]},
+    }
+    summary = method.served_summary(runs)
+    assert summary[1]["best_llamacpp"] == "llama.cpp ngram-mod" and summary[1]["best_specgate"] == "specgate adaptive"
+    assert summary[1]["ratio"] == pytest.approx(110 / 80)
+    assert summary[4]["medians"]["specgate adaptive"] == pytest.approx(82.0)
+    assert summary[4]["ratio"] == pytest.approx(150 / 100)
+    table = method.served_table(summary)
+    assert table[2].endswith("| 1.38x |") and table[3].endswith("| 1.50x |") and len(table) == 4
+
+
+def test_served_lane_against_a_real_specgate_server_of_a_tiny_int8_model(tiny_model_dir):
+    from specgate.serving.server import ServerConfig, start_server
+
+    handle = start_server(ServerConfig(target=str(tiny_model_dir("llama")), draft="ngram", port=0, policy="fixed", gamma=3,
+                                       max_num_seqs=4, max_seq_len=256, dtype="int8"))
+    try:
+        port = int(handle.url.rsplit(":", 1)[1])
+        result = method.closed_loop(lambda p, n: method.specgate_served(port, p, n), method.SERVED_PROMPTS[:2], 2, 4, 6)
+    finally:
+        handle.stop()
+    assert result.tokens == 24 and result.texts[0] == result.texts[2] and result.tokens_per_s > 0
