@@ -1,14 +1,20 @@
 """Quantized weights (specgate.models.quant, csrc/quant.c): GGUF blocks read as shipped.
 
-Oracles: gguf.quants' own numpy dequantization (independent of our C) and the float32 kernel on that dequantized
-matrix. Checks: the C dequantization equals gguf's bit for bit for every served kind; a quantized product equals
-the float32 kernel's product of the dequantized matrix bit for bit and float64 within float32 error; a row's
-output is bit-identical alone, among 5 or 9 rows, or in a 16 x 9 batch (batch invariance), a property a
-row-count-dependent summation fails (negative control); a fused weight of parts of different kinds equals its
-parts; a model quantized on load (int8) decodes greedily to the same tokens with and without speculation; and,
-on the real Gemma-3-270M GGUF (slow), the quantized model's logits equal the float32 model de-quantised by
-transformers bit for bit, a position's logits are the same alone, in a 5-token verification and beside other
-requests, and greedy n-gram speculation returns target-only greedy's tokens.
+Two kernel families, chosen by the CPU alone: float32 activations (AVX2 / AVX-512; `SPECGATE_VNNI=0` forces them)
+and int8 activations (AVX-512 VNNI, llama.cpp's method). Oracles: gguf.quants' own numpy dequantization
+(independent of our C), the float32 kernel on that dequantized matrix, and a torch rounding of x to int8 per
+32-block. Checks: the C dequantization equals gguf's bit for bit for every served kind; a float32-activation
+product equals the float32 kernel's product of the dequantized matrix bit for bit; an int8-activation product
+equals float64 (rounded x) @ (dequantized W) within float32 error and is measurably not the product of the
+unrounded x (negative control); the rounding equals the torch reference bit for bit and keeps inf / NaN
+non-finite; Q8_0_R4 is an exact rearrangement of Q8_0; a row's output is bit-identical alone, among 5 or 9 rows,
+or in a 16 x 9 batch (batch invariance), a property a row-count-dependent summation fails (negative control);
+a fused weight of parts of different kinds equals its parts; a model quantized on load (int8) decodes greedily
+to the same tokens with and without speculation; and, on the real Gemma-3-270M GGUF (slow), the quantized
+model's logits equal the float32 model de-quantised by transformers bit for bit with float32 activations and
+agree on the top token at >= 90% of decode positions with int8 activations, a position's logits are the same
+alone, in a 5-token verification and beside other requests, and greedy n-gram speculation returns target-only
+greedy's tokens.
 """
 
 from __future__ import annotations
@@ -21,11 +27,31 @@ import torch
 
 from specgate.models import native
 from specgate.models.dtypes import cpu_flags
-from specgate.models.quant import BLOCKS, KIND_NAMES, QuantPart, QuantWeight, quantize_q8_0
+from specgate.models.quant import BLOCKS, GGUF_KINDS, KIND_NAMES, QuantPart, QuantWeight, quantize_q8_0
 
 CAN_BUILD = (shutil.which("cc") or shutil.which("gcc")) is not None and {"avx2", "fma", "f16c"} <= cpu_flags()
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="no C compiler or no AVX2/FMA/F16C on this CPU")
 SCALE_OFFSETS = {8: (0,), 6: (0,), 12: (0, 2), 14: (208,)}  # where each kind's fp16 scales sit in its block
+INT8 = CAN_BUILD and native.available() and native.int8_activations()
+needs_int8 = pytest.mark.skipif(not INT8, reason="int8 activations need AVX-512 VNNI")
+
+
+@pytest.fixture
+def float_activations(monkeypatch):
+    """The float32-activation kernels for one test (SPECGATE_VNNI=0; the flag is re-read around the test)."""
+    monkeypatch.setenv("SPECGATE_VNNI", "0")
+    native.int8_activations.cache_clear()
+    yield
+    native.int8_activations.cache_clear()
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """The torch reference of the int8 kernels' activations: per 32-block q = round_half_even(x * (127 / amax)),
+    dx = amax / 127 (float32 arithmetic; 0 for an all-zero block), returned as q * dx."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / 127.0)).reshape(x.shape)
 
 
 def random_blocks(kind: int, rows: int, k: int, seed: int = 0) -> QuantWeight:
@@ -39,7 +65,7 @@ def random_blocks(kind: int, rows: int, k: int, seed: int = 0) -> QuantWeight:
     return QuantWeight((QuantPart(kind, data.reshape(rows, -1).contiguous()),), k)
 
 
-@pytest.mark.parametrize("kind", sorted(BLOCKS), ids=lambda kind: KIND_NAMES[kind])
+@pytest.mark.parametrize("kind", GGUF_KINDS, ids=lambda kind: KIND_NAMES[kind])
 def test_c_dequantization_equals_gguf(kind):
     weight = random_blocks(kind, 12, 512, seed=kind)
     assert torch.equal(native.dequantize_rows(weight), weight.dequantize())
@@ -47,15 +73,60 @@ def test_c_dequantization_equals_gguf(kind):
     assert torch.equal(native.dequantize_rows(weight, rows), weight.dequantize()[rows])
 
 
-@pytest.mark.parametrize("kind", sorted(BLOCKS), ids=lambda kind: KIND_NAMES[kind])
+@pytest.mark.parametrize("kind", GGUF_KINDS, ids=lambda kind: KIND_NAMES[kind])
 @pytest.mark.parametrize("rows", [1, 2, 5, 9])
-def test_product_equals_the_float_kernel_on_the_dequantized_matrix(kind, rows):
+def test_float_activation_product_equals_the_float_kernel_on_the_dequantized_matrix(kind, rows, float_activations):
     weight = random_blocks(kind, 38, 512, seed=kind)  # 38 rows: a tail block of 2
     dense = weight.dequantize()
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     out = native.skinny_product(x, weight)
     assert torch.equal(out, native.skinny_product(x, dense))  # same FMA order: bit for bit
     torch.testing.assert_close(out.double(), x.double() @ dense.double().t(), rtol=1e-4, atol=1e-4)
+
+
+@needs_int8
+@pytest.mark.parametrize("kind", GGUF_KINDS, ids=lambda kind: KIND_NAMES[kind])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+def test_int8_activation_product_is_the_product_of_the_rounded_rows(kind, rows):
+    k = 512 if kind in (12, 14) else 544  # Q8_0 / Q5_0: an odd number of 32-blocks (a lone last group)
+    weight = random_blocks(kind, 38, k, seed=kind)
+    dense = weight.dequantize().double()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    out = native.skinny_product(x, weight).double()
+    exact = rounded(x).double() @ dense.t()
+    scale = exact.abs().max()
+    assert (out - exact).abs().max() <= 1e-5 * scale  # integer dots, float32 sums: float32 error only
+    assert (out - x.double() @ dense.t()).abs().max() > 1e-4 * scale  # negative control: x was rounded
+
+
+@needs_int8
+def test_int8_rounding_matches_the_reference_and_keeps_non_finite_rows():
+    x = torch.randn(3, 96) * torch.tensor([1e-3, 1.0, 50.0])[:, None]
+    x[1, 32:64] = 0.0  # an all-zero block: q = 0, dx = 0
+    assert torch.equal(native.round_activations(x), rounded(x))
+    weight = random_blocks(8, 8, 96, seed=1)
+    for bad in (float("inf"), float("nan")):
+        poisoned = x.clone()
+        poisoned[2, 70] = bad
+        out = native.skinny_product(poisoned, weight)
+        assert torch.isfinite(out[:2]).all() and not torch.isfinite(out[2]).any()
+
+
+@needs_int8
+def test_q8_0_r4_is_an_exact_rearrangement():
+    from specgate.models.quant import Q8_0_R4, unpack_q8_0_r4
+
+    plain = random_blocks(8, 36, 640, seed=5)
+    packed = native.for_kernels(plain)
+    assert packed.parts[0].kind == Q8_0_R4 and packed.shape == plain.shape
+    assert torch.equal(unpack_q8_0_r4(packed.parts[0].data, 640), plain.parts[0].data)
+    assert torch.equal(packed.dequantize(), plain.dequantize())
+    ids = torch.tensor([35, 0, 6, 6, 17])
+    assert torch.equal(native.dequantize_rows(packed, ids), plain.dequantize()[ids])
+    x = torch.randn(7, 640)
+    assert torch.equal(native.skinny_product(x, packed), native.skinny_product(x, plain))  # the same sums, re-laid out
+    odd = random_blocks(8, 6, 640, seed=6)  # rows % 4 != 0: left as shipped
+    assert native.for_kernels(odd).parts[0].kind == 8
 
 
 def rows_invariant(product, x: torch.Tensor) -> bool:
@@ -68,7 +139,7 @@ def rows_invariant(product, x: torch.Tensor) -> bool:
 
 
 def test_batch_invariance_holds_and_the_check_can_fail():
-    weight = QuantWeight.concat([random_blocks(6, 64, 640, 1), random_blocks(8, 32, 640, 2)])
+    weight = native.for_kernels(QuantWeight.concat([random_blocks(6, 64, 640, 1), random_blocks(8, 32, 640, 2)]))
     x = torch.randn(16, 640, generator=torch.Generator().manual_seed(3))
     assert rows_invariant(lambda rows: native.skinny_product(rows.contiguous(), weight), x)
     wide = torch.randn(144, 640, generator=torch.Generator().manual_seed(4))  # a 16 x 9 verification batch
@@ -146,18 +217,44 @@ def gemma_gguf():
     return load_model("gemma-3-270m", dtype="gguf")
 
 
-@pytest.mark.slow
-def test_gguf_logits_equal_the_float32_dequantized_model(gemma_gguf):
+def decode_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of every position of ids [1, T], scored 8 tokens at a time (decode / verification rows)."""
+    cache, positions = loaded.model.new_cache(1, ids.shape[1]), torch.arange(ids.shape[1])[None]
+    with torch.inference_mode():
+        return torch.cat([loaded.model(ids[:, i : i + 8], positions[:, i : i + 8], cache, torch.tensor([0]))[0]
+                          for i in range(0, ids.shape[1], 8)])
+
+
+@pytest.fixture(scope="module")
+def gemma_float32():
     from specgate.models import load_model
     from specgate.models.loading import default_gguf_path
 
-    reference = load_model(str(default_gguf_path()), dtype=torch.float32)  # transformers' de-quantisation
-    ids = torch.tensor([gemma_gguf.tokenizer("def fibonacci(n):\n    return")["input_ids"]])
-    positions = torch.arange(ids.shape[1])[None]
-    with torch.inference_mode():
-        a = gemma_gguf.model(ids, positions, gemma_gguf.model.new_cache(1, 64), torch.tensor([0]))
-        b = reference.model(ids, positions, reference.model.new_cache(1, 64), torch.tensor([0]))
-    assert torch.equal(a, b)
+    return load_model(str(default_gguf_path()), dtype=torch.float32)  # transformers' de-quantisation
+
+
+PASSAGE = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\n"
+           "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer the slings and arrows")
+
+
+@pytest.mark.slow
+def test_gguf_logits_equal_the_float32_dequantized_model(gemma_float32, float_activations):
+    from specgate.models import load_model
+
+    shipped = load_model("gemma-3-270m", dtype="gguf")  # float32 activations: no Q8_0_R4, the float32 kernels
+    ids = torch.tensor([shipped.tokenizer(PASSAGE)["input_ids"]])
+    assert torch.equal(decode_logits(shipped, ids), decode_logits(gemma_float32, ids))
+
+
+@pytest.mark.slow
+@needs_int8
+def test_gguf_int8_activations_stay_close_to_the_float32_model(gemma_gguf, gemma_float32):
+    ids = torch.tensor([gemma_gguf.tokenizer(PASSAGE)["input_ids"]])
+    a, b = decode_logits(gemma_gguf, ids), decode_logits(gemma_float32, ids)
+    assert not torch.equal(a, b)  # the activations were rounded
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    kl = (b.log_softmax(-1).exp() * (b.log_softmax(-1) - a.log_softmax(-1))).sum(-1).mean()
+    assert kl < 0.02
 
 
 @pytest.mark.slow

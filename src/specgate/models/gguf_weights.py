@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specgate.models.quant import BLOCKS, KIND_NAMES, QuantPart, QuantWeight
+from specgate.models.quant import GGUF_KINDS, KIND_NAMES, QuantPart, QuantWeight
 from specgate.models.transformer import CausalLM, ModelArgs
 
 
@@ -51,10 +51,10 @@ def read_gguf_weights(path: Any, config: Any) -> tuple[dict[str, QuantWeight], d
         rows_k = [int(n) for n in reversed(tensor.shape)]  # ggml's shape is [K, N]
         is_matrix = len(rows_k) == 2 and suffix == "weight" and "norm" not in module
         if is_matrix:
-            if kind not in BLOCKS:
+            if kind not in GGUF_KINDS:
                 raise ValueError(
                     f"{tensor.name} is {GGMLQuantizationType(kind).name}: the quantized kernels read "
-                    f"{', '.join(KIND_NAMES.values())}; load this GGUF with --dtype bfloat16 or float32"
+                    f"{', '.join(KIND_NAMES[k] for k in GGUF_KINDS)}; load this GGUF with --dtype bfloat16 or float32"
                 )
             data = torch.from_numpy(np.array(tensor.data, copy=True)).view(torch.uint8).reshape(rows_k[0], -1)
             if args.model_type in ("llama", "mistral") and module.endswith(("q_proj", "k_proj")):

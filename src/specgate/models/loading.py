@@ -228,8 +228,11 @@ def build_quantized_model(config: Any, quantized: dict[str, QuantWeight], floats
 
 def _install_quantized(model: CausalLM, quantized: dict[str, QuantWeight], floats: dict[str, torch.Tensor]) -> None:
     """Swap the model's nn.Linear / nn.Embedding modules for QuantLinear / QuantEmbedding, then assign the floats."""
+    from specgate.models import native
+
     floats = dict(floats)
     for name, weight in quantized.items():
+        weight = native.for_kernels(weight)
         module_name = name.removesuffix(".weight")
         parent_name, _, attribute = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

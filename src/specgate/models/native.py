@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from specgate.models.cpu import cpu_flags
-from specgate.models.quant import QuantWeight
+from specgate.models.quant import Q8_0_R4, QuantPart, QuantWeight
 
 SKINNY_MAX_ROWS = 20  # a float32 LM head (>= HEAD_ELEMENTS): faster than oneDNN at every row count up to 20 (83 vs 102 ms)
 LAYER_MAX_ROWS = 64  # a float32 layer weight: faster than oneDNN up to 64 rows (Gemma-3-270M's gate/up: 2.9 vs 3.3 ms)
@@ -157,6 +157,8 @@ def _library() -> ctypes.CDLL | None:
         "skinny": ([ptr] * 4 + [i64] * 3 + [i32] * 3, None),
         "weight_product": ([ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32], None),
         "dequantize_rows": ([ptr, i32, i64, ptr, i64, ptr, i32], None),
+        "int8_activations": ([ptr, i64, i64, ptr], None),
+        "repack_q8_0_r4": ([ptr, i64, i64, ptr, i32], None),
         "kind_row_bytes": ([i32, i64], i64),
         "rms_norm": ([ptr] * 3 + [i64] * 2 + [ctypes.c_float], None),
         "read_sum": ([ptr, i64, i32, i64], ctypes.c_double),
@@ -210,6 +212,29 @@ def wide_vectors() -> bool:
     """True where the products use their AVX-512 variant (the CPU has avx512f and avx512bw; SPECGATE_AVX512=0
     keeps AVX2). For weights with K % 16 == 0."""
     return os.environ.get("SPECGATE_AVX512", "1") != "0" and {"avx512f", "avx512bw"} <= cpu_flags()
+
+
+@functools.lru_cache(maxsize=1)
+def int8_activations() -> bool:
+    """True where products over quantized weights round x to int8 per 32-block and take integer dot products
+    (csrc/quant.c, llama.cpp's method: the CPU has AVX-512 VNNI; SPECGATE_VNNI=0 or SPECGATE_AVX512=0 keeps float32
+    activations). Decided by the CPU alone, so a row's result never depends on the other rows of a call."""
+    return wide_vectors() and os.environ.get("SPECGATE_VNNI", "1") != "0" and {"avx512_vnni", "avx512vl"} <= cpu_flags()
+
+
+def round_activations(x: Tensor) -> Tensor:
+    """x [R, K] float32 contiguous as the int8 kernels see it: each 32-block rounded to int8 with its scale
+    (q * dx, exact in float32). A prefill's rows through the dequantized float32 product see the same activations
+    as decode rows, so the KV cache does not depend on how a prompt was chunked beyond float32 rounding."""
+    rows, k = x.shape
+    out = torch.empty(rows, (k + 63) // 64 * 64, dtype=torch.float32)  # [R, K rounded up to 64]
+    _require("round_activations()").int8_activations(x.data_ptr(), rows, k, out.data_ptr())
+    return out[:, :k]
+
+
+def quant_flags() -> int:
+    """The C products' `wide` argument for quantized weights: 1 AVX-512, 2 int8 activations (specgate.h WIDE_*)."""
+    return int(wide_vectors()) | (2 if int8_activations() else 0)
 
 
 def available() -> bool:
@@ -281,13 +306,28 @@ def skinny_product(x: Tensor, weight: Tensor, library: ctypes.CDLL | None = None
     if isinstance(weight, QuantWeight):  # the GGUF's blocks decoded in registers (csrc/quant.c); same conventions
         library.weight_product(x.data_ptr(), ctypes.byref(weight_struct(weight)), out.data_ptr(),
                                out_rows.data_ptr() if out_rows is not None else None, rows, k, weight.shape[0],
-                               int(wide_vectors()), torch.get_num_threads())
+                               quant_flags(), torch.get_num_threads())
         return out
     # one call (ctypes drops the GIL) whose OpenMP loop runs on torch's own OpenMP threads; the AVX-512 variant
     # serves where the CPU has it and K % 16 == 0: decided by the CPU and K alone, never by R (batch invariance)
     library.skinny(x.data_ptr(), weight.data_ptr(), out.data_ptr(), out_rows.data_ptr() if out_rows is not None else None,
                    rows, k, weight.shape[0], int(weight.dtype == torch.bfloat16), int(wide_vectors()), torch.get_num_threads())
     return out
+
+
+def for_kernels(weight: QuantWeight) -> QuantWeight:
+    """The weight as the products read it fastest here: where int8 activations are on, Q8_0 parts with rows % 4 == 0
+    and K % 64 == 0 rearranged (exactly) into Q8_0_R4, one sequential stream per 4 rows; otherwise unchanged."""
+    if not (available() and int8_activations()) or weight.in_features % 64:
+        return weight
+    parts = []
+    for part in weight.parts:
+        if part.kind == 8 and part.rows % 4 == 0:
+            packed = torch.empty_like(part.data)
+            _library().repack_q8_0_r4(part.data.data_ptr(), part.rows, weight.in_features, packed.data_ptr(), torch.get_num_threads())
+            part = QuantPart(Q8_0_R4, packed)
+        parts.append(part)
+    return QuantWeight(tuple(parts), weight.in_features)
 
 
 def dequantize_rows(weight: QuantWeight, rows: Tensor | None = None, part: int = 0) -> Tensor:
@@ -554,7 +594,7 @@ class DecodeStack:
             array[index] = _Layer(**fields, window=layer.window or 0, scale=layer.scale)
         self.layers = array
         self.config = _Config(hidden, heads, kv_heads, head_dim, intermediate, eps, int(gemma),
-                              STACK_ACTIVATIONS[activation], int(wide_vectors()))
+                              STACK_ACTIVATIONS[activation], quant_flags())
         self.width = 2 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + 3 * intermediate  # WORK floats per row
         self._library = library
 

@@ -3,14 +3,19 @@
 A decode step on the CPU is a stream of weight reads, so the bytes a step reads set its floor. A GGUF's weights
 as shipped are those bytes (Gemma-3-270M Q4_K_M: 235 MiB a step, against 539 MB in bf16). The runtime keeps each
 quantized matrix as its raw GGUF blocks (QuantWeight: uint8 rows in ggml's layout) and the C kernels
-(csrc/quant.c) decode 32 weights at a time in registers to float32 and multiply them into float32 activations.
-The decoded values are ggml's dequantization exactly (each q * scale is exact in float32), and the products sum
-in the float32 kernel's order, so:
-- a quantized product equals the float32 product of gguf.quants' dequantized matrix bit for bit, and the model's
-  logits equal those of the same GGUF de-quantised to float32 (transformers' route) bit for bit;
-- it is batch-invariant like every C path here: a row's logits do not depend on the other rows of the call.
-Activations, the KV cache, norms and logits stay float32; only the matrices (the projections and the tied
-embedding / LM head) are quantized.
+(csrc/quant.c) multiply them in one of two ways, chosen by the CPU alone:
+- int8 activations (AVX-512 VNNI, llama.cpp's method): each 32-block of x is rounded to int8 with a float32
+  scale, every weight group's dot product is taken in integers (exact) and scaled in float32. With 2 cores the
+  float32 widening of the weights, not the memory, was the limit; integer dots remove it. The tied Q8_0
+  embedding / LM head (73% of the bytes) is rearranged at load into Q8_0_R4 (4 rows interleaved, one sequential
+  stream a block; an exact rearrangement). The model is the GGUF as llama.cpp computes it, not its float32
+  de-quantisation: decode logits differ from that by activation rounding (top token agrees at ~95% of positions).
+- float32 activations (AVX2 / AVX-512 without VNNI, or SPECGATE_VNNI=0): 32 weights at a time decoded in
+  registers to float32 (ggml's dequantization exactly) and summed in the float32 kernel's order, so a product
+  equals the float32 product of gguf.quants' dequantized matrix bit for bit.
+Either way a product is batch-invariant like every C path here: a row's logits do not depend on the other rows of
+the call, so greedy speculation stays token-identical to greedy target-only decoding. Activations between the
+products, the KV cache, norms and logits stay float32.
 
 A Hugging Face safetensors model can be quantized on load to Q8_0 (`--dtype int8`, quantize_q8_0): that changes
 the target model (its logits are no longer the checkpoint's), so it happens only when asked.
@@ -25,8 +30,10 @@ import torch
 from torch import Tensor
 
 # ggml type number -> (weights per block, bytes per block); the kinds the C kernels read
-BLOCKS = {8: (32, 34), 6: (32, 22), 12: (256, 144), 14: (256, 210)}
-KIND_NAMES = {8: "Q8_0", 6: "Q5_0", 12: "Q4_K", 14: "Q6_K"}
+BLOCKS = {8: (32, 34), 6: (32, 22), 12: (256, 144), 14: (256, 210), 108: (64, 68)}
+KIND_NAMES = {8: "Q8_0", 6: "Q5_0", 12: "Q4_K", 14: "Q6_K", 108: "Q8_0_R4"}
+GGUF_KINDS = (8, 6, 12, 14)  # the ggml types a GGUF may hold that the kernels read
+Q8_0_R4 = 108  # Q8_0 with 4 rows interleaved for the int8 kernels (specgate's own number; csrc/quant.c, unpack_q8_0_r4)
 QUANTIZED_FORMATS = ("gguf", "int8")  # --dtype values of quantized weights: the GGUF's own, or Q8_0 on load
 
 
@@ -68,7 +75,7 @@ class QuantWeight:
                                  f"(K % {per_block} == 0); got {part.data.dtype} {tuple(part.data.shape)}")
             if not part.data.is_contiguous():
                 raise ValueError("QuantPart data must be contiguous")
-            if len(self.parts) > 1 and part.rows % 4:
+            if (len(self.parts) > 1 or part.kind == Q8_0_R4) and part.rows % 4:
                 raise ValueError(f"a fused QuantWeight's parts need rows % 4 == 0 (got {part.rows})")
 
     @property
@@ -102,7 +109,8 @@ class QuantWeight:
         """[N, K] float32 with gguf.quants' dequantization (the oracle for the kernels; numpy, no C)."""
         from gguf import GGMLQuantizationType, dequantize
 
-        blocks = [dequantize(part.data.numpy(), GGMLQuantizationType(part.kind)) for part in self.parts]
+        blocks = [dequantize(unpack_q8_0_r4(part.data, self.in_features).numpy() if part.kind == Q8_0_R4 else part.data.numpy(),
+                             GGMLQuantizationType(8 if part.kind == Q8_0_R4 else part.kind)) for part in self.parts]
         return torch.from_numpy(np.concatenate(blocks).reshape(self.shape).astype(np.float32))
 
 
@@ -119,3 +127,13 @@ def quantize_q8_0(weight: Tensor) -> QuantWeight:
     scale = d.to(torch.float16).view(torch.uint8).reshape(rows, k // 32, 2)
     data = torch.cat([scale, q.view(torch.uint8)], dim=-1).reshape(rows, k // 32 * 34).contiguous()
     return QuantWeight((QuantPart(8, data),), k)
+
+
+def unpack_q8_0_r4(data: Tensor, k: int) -> Tensor:
+    """Q8_0_R4 rows [N, K / 32 * 34] back to Q8_0's (the inverse of csrc/quant.c's repack_q8_0_r4, in torch): per
+    4-row block and pair of groups, 4 x 64 quant bytes (q ^ 0x80) then 8 fp16 scales (row j's at 2j, 2j + 1)."""
+    rows, pairs = data.shape[0], k // 64
+    blocks = data.reshape(rows // 4, pairs, 272)  # [N/4, P, 272]
+    quants = (blocks[..., :256].reshape(rows // 4, pairs, 4, 2, 32) ^ 0x80).permute(0, 2, 1, 3, 4)  # [N/4, 4, P, 2, 32]
+    scales = blocks[..., 256:].reshape(rows // 4, pairs, 4, 2, 2).permute(0, 2, 1, 3, 4)  # [N/4, 4, P, 2, 2]
+    return torch.cat([scales, quants], dim=-1).reshape(rows, k // 32 * 34).contiguous()

@@ -262,13 +262,16 @@ class QuantEmbedding(nn.Module):
 
 def _quant_linear(x: Tensor, weight: QuantWeight, bias: Tensor | None) -> Tensor:
     """x [..., K] @ a quantized weight [N, K]^T (+ bias) -> [..., N] float32: decode / verification rows through the
-    C kernel (the blocks decoded in registers, batch-invariant); more rows (a prefill) dequantize the weight in
-    cache-sized chunks of rows and multiply in float32 (oneDNN / MKL)."""
+    C kernel (batch-invariant; int8 activations where the CPU has VNNI); more rows (a prefill) dequantize the
+    weight in cache-sized chunks of rows and multiply in float32 (oneDNN / MKL), with x rounded as the int8
+    kernels round it."""
     rows, k = x.numel() // x.shape[-1], x.shape[-1]
     flat = x.reshape(rows, k).float().contiguous()  # [R, K]
     if native.applies(flat, weight):
         out = native.skinny_product(flat, weight)  # [R, N]
     elif native.available():
+        if native.int8_activations():  # the rows the int8 kernels would see (a prefill agrees with decode steps)
+            flat = native.round_activations(flat)
         out = torch.empty(rows, weight.shape[0], dtype=torch.float32)  # [R, N]
         step, column = max(1, UPCAST_CHUNK_ELEMENTS // k), 0
         for index, part in enumerate(weight.parts):

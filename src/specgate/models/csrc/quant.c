@@ -174,6 +174,15 @@ static AVX512 void q512_##KIND##_##RR(int prefetch, const float* x, const uint8_
         o[i][n + j] = bias ? _mm512_reduce_add_ps(acc[i][j]) + bias[n + j] : _mm512_reduce_add_ps(acc[i][j]); \
 }
 
+/* Output row pointers of x's rows r .. r + 5 (fewer at the end); returns how many. */
+static inline int six_rows(float* out[6], float* O, const int64_t* ROWS, int64_t r, int64_t R, int64_t N) {
+    const int count = R - r >= 6 ? 6 : (int)(R - r);
+    for (int i = 0; i < count; ++i) out[i] = O + (ROWS ? ROWS[r + i] : r + i) * N;
+    return count;
+}
+
+typedef void Q512Block(int, const float*, const uint8_t*, int64_t, const float*, int64_t, float* const*, int64_t, int);
+
 #define QRANGE512(KIND)                                                                                   \
 static AVX512 void q512range_##KIND(const float* X, const uint8_t* W, int64_t row_bytes, const float* BIAS,  \
                                     float* O, const int64_t* ROWS, int64_t R, int64_t K, int64_t N,       \
@@ -184,16 +193,9 @@ static AVX512 void q512range_##KIND(const float* X, const uint8_t* W, int64_t ro
         const uint8_t* w = W + b * 4 * row_bytes;                                                         \
         for (int64_t r = 0; r < R; r += 6) {                                                              \
             float* out[6];                                                                                \
-            for (int i = 0; i < 6 && r + i < R; ++i) out[i] = O + (ROWS ? ROWS[r + i] : r + i) * N;       \
-            const float* x = X + r * K;                                                                   \
-            switch (R - r >= 6 ? 6 : R - r) {                                                             \
-                case 6: q512_##KIND##_6(r == 0, x, w, row_bytes, BIAS, K, out, n, nn); break;             \
-                case 5: q512_##KIND##_5(r == 0, x, w, row_bytes, BIAS, K, out, n, nn); break;             \
-                case 4: q512_##KIND##_4(r == 0, x, w, row_bytes, BIAS, K, out, n, nn); break;             \
-                case 3: q512_##KIND##_3(r == 0, x, w, row_bytes, BIAS, K, out, n, nn); break;             \
-                case 2: q512_##KIND##_2(r == 0, x, w, row_bytes, BIAS, K, out, n, nn); break;             \
-                default: q512_##KIND##_1(r == 0, x, w, row_bytes, BIAS, K, out, n, nn); break;            \
-            }                                                                                             \
+            Q512Block* const block[7] = {NULL, q512_##KIND##_1, q512_##KIND##_2, q512_##KIND##_3,         \
+                                         q512_##KIND##_4, q512_##KIND##_5, q512_##KIND##_6};              \
+            block[six_rows(out, O, ROWS, r, R, N)](r == 0, X + r * K, w, row_bytes, BIAS, K, out, n, nn);  \
         }                                                                                                 \
     }                                                                                                     \
 }
@@ -205,12 +207,286 @@ QKIND512(q5_0, group_q5_0, 0)
 QKIND512(q4_k, group_q4_k, 1)
 QKIND512(q6_k, group_q6_k, 0)
 
+/* ---- int8 activations (AVX-512 VNNI): llama.cpp's method, kept batch-invariant ------------------------------
+
+   Where the CPU has AVX-512 VNNI, a product over quantized weights first rounds each row of x to int8 per
+   32-block (ActPair: q = round_half_even(x * 127 / amax), dx = amax / 127, both float32 arithmetic), then takes
+   each weight group's dot product with it in integers (vpdpbusd: 64 byte products a pass, exact) and sums
+   dot * (weight scale * dx) in float32 (16 lanes: two groups of 8). A signed weight q is fed as the byte q ^ 0x80
+   = q + 128 and corrected by the block's -128 * sum(q_x) (precomputed per lane, the accumulator's start value).
+   Each row of x is quantized on its own and summed in the same order whatever R, the row block or the thread:
+   batch-invariant like the float32 path, with fewer instructions per weight (the float32 widening is gone). It
+   is no longer bit-equal to the float32 model of the dequantized weights: the activations are rounded (about
+   0.2% of amax per block), as llama.cpp rounds them. A block of x holding inf or NaN gets a NaN dx, so a
+   non-finite activation still gives non-finite logits. */
+#ifndef I8_PREFETCH_BLOCKS
+#define I8_PREFETCH_BLOCKS 2
+#endif
+#ifndef I8_PREFETCH_ROWS
+#define I8_PREFETCH_ROWS 4
+#endif
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
+
+/* Two 32-blocks of one row of x as the int8 kernels read them (256 bytes, 64-byte aligned). */
+typedef struct {
+    int8_t q[64];
+    float dx[16];     /* lanes 0-7 block 2p's scale, 8-15 block 2p+1's */
+    int32_t corr[16]; /* -128 * (sum of the 4 q bytes lane k covers) */
+    float psum[16];   /* sum of the 4 q bytes lane k covers (Q4_K's min term) */
+} ActPair;
+
+static VNNI void quantize_act_row(const float* x, int64_t K, ActPair* out) {
+    const int64_t pairs = (K + 63) / 64;
+    for (int64_t p = 0; p < pairs; ++p) {
+        ActPair* a = out + p;
+        __m128i q[4];
+        float dx[2] = {0.0f, 0.0f};
+        for (int h = 0; h < 2; ++h) {
+            const int64_t k = 64 * p + 32 * h;
+            if (k >= K) {
+                q[2 * h] = q[2 * h + 1] = _mm_setzero_si128();
+                continue;
+            }
+            const __m512 v0 = _mm512_loadu_ps(x + k), v1 = _mm512_loadu_ps(x + k + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float poison = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_mul_ps(v0, _mm512_setzero_ps()), _mm512_mul_ps(v1, _mm512_setzero_ps())));
+            const float id = amax > 0.0f && amax <= 3.4e38f ? 127.0f / amax : 0.0f;
+            q[2 * h] = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id))));
+            q[2 * h + 1] = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id))));
+            dx[h] = amax / 127.0f + poison;  /* NaN where the block holds inf or NaN */
+        }
+        __m512i bytes = _mm512_castsi128_si512(q[0]);
+        bytes = _mm512_inserti32x4(bytes, q[1], 1);
+        bytes = _mm512_inserti32x4(bytes, q[2], 2);
+        bytes = _mm512_inserti32x4(bytes, q[3], 3);
+        _mm512_store_si512((__m512i*)a->q, bytes);
+        _mm512_store_ps(a->dx, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(dx[0]), _mm512_set1_ps(dx[1])));
+        const __m512i psum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), bytes);
+        _mm512_store_si512((__m512i*)a->corr, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(psum, 7)));
+        _mm512_store_ps(a->psum, _mm512_cvtepi32_ps(psum));
+    }
+}
+
+/* Two weight groups (2p, 2p+1) of a row as the int8 kernels read them: bytes u (q ^ 0x80 for a signed kind, q for
+   Q4_K), per-lane scales (lane k covers bytes 4k..4k+3) and, for Q4_K, per-lane mins. A row whose K is an odd
+   number of groups has a lone last group: its other half is zero (and x's is zero). */
+typedef struct {
+    __m512i u;
+    __m512 scale, off;
+} Pair;
+
+static inline VNNI __m512 lane_scales(float a, float b, float c, float d) {
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_setr_ps(a, b, c, d)));
+}
+
+static inline VNNI Pair pair_of(Group g0, Group g1, int lone, int is_signed) {
+    __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(g0.q), lone ? _mm256_setzero_si256() : g1.q, 1);
+    if (is_signed) u = _mm512_xor_si512(u, _mm512_set1_epi8((char)0x80));
+    const Pair pair = {u, lane_scales(g0.s_lo, g0.s_hi, lone ? 0.0f : g1.s_lo, lone ? 0.0f : g1.s_hi),
+                       lane_scales(g0.off, g0.off, lone ? 0.0f : g1.off, lone ? 0.0f : g1.off)};
+    return pair;
+}
+
+#define PAIR_KIND(KIND, SIGNED)                                                                           \
+static inline VNNI Pair pair_##KIND(const uint8_t* row, int64_t p, int64_t groups) {                      \
+    const int lone = 2 * p + 1 >= groups;                                                                 \
+    return pair_of(group_##KIND(row, 2 * p), group_##KIND(row, lone ? 2 * p : 2 * p + 1), lone, SIGNED);  \
+}
+PAIR_KIND(q8_0, 1)
+PAIR_KIND(q5_0, 1)
+PAIR_KIND(q6_k, 1)
+
+/* Q4_K's groups 2p and 2p+1 are the low and high nibbles of the same 32 bytes. */
+static inline VNNI Pair pair_q4_k(const uint8_t* row, int64_t p, int64_t groups) {
+    (void)groups;
+    const Group g0 = group_q4_k(row, 2 * p), g1 = group_q4_k(row, 2 * p + 1);
+    return pair_of(g0, g1, 0, 0);
+}
+
+/* RR rows of quantized x (RR ActPair rows of `pairs` each) times nn <= 4 rows of a weight, into O at column n. */
+#define I8BLOCK(RR, KIND, SIGNED, OFFSET)                                                                 \
+static VNNI void i8_##KIND##_##RR(int prefetch, const ActPair* xa, int64_t pairs, const uint8_t* w,       \
+                                  int64_t row_bytes, const float* bias, int64_t K, float* const* o,       \
+                                  int64_t n, int nn) {                                                    \
+    const uint8_t* wr[4];                                                                                 \
+    for (int j = 0; j < 4; ++j) wr[j] = w + (j < nn ? j : nn - 1) * row_bytes;                            \
+    const int64_t groups = K / 32, pair_bytes = row_bytes * 64 / K;                                       \
+    __m512 acc[RR][4];                                                                                    \
+    for (int i = 0; i < RR; ++i) for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();              \
+    for (int64_t p = 0; p < pairs; ++p) {                                                                 \
+        if (prefetch) for (int j = 0; j < 4; ++j) {                                                       \
+            _mm_prefetch((const char*)(wr[j] + I8_PREFETCH_ROWS * row_bytes + p * pair_bytes), _MM_HINT_T0); \
+            _mm_prefetch((const char*)(wr[j] + I8_PREFETCH_ROWS * row_bytes + p * pair_bytes + 64), _MM_HINT_T0); \
+        }                                                                                                 \
+        for (int j = 0; j < 4; ++j) {                                                                     \
+            const Pair pr = pair_##KIND(wr[j], p, groups);                                                \
+            for (int i = 0; i < RR; ++i) {                                                                \
+                const ActPair* a = xa + i * pairs + p;                                                    \
+                const __m512 dx = _mm512_load_ps(a->dx);                                                  \
+                const __m512i dot = _mm512_dpbusd_epi32(SIGNED ? _mm512_load_si512((const __m512i*)a->corr) \
+                                                        : _mm512_setzero_si512(), pr.u, _mm512_load_si512((const __m512i*)a->q)); \
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(pr.scale, dx), acc[i][j]); \
+                if (OFFSET) acc[i][j] = _mm512_fnmadd_ps(_mm512_mul_ps(pr.off, dx), _mm512_load_ps(a->psum), acc[i][j]); \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    for (int i = 0; i < RR; ++i) for (int j = 0; j < nn; ++j)                                             \
+        o[i][n + j] = bias ? _mm512_reduce_add_ps(acc[i][j]) + bias[n + j] : _mm512_reduce_add_ps(acc[i][j]); \
+}
+
+typedef void I8Block(int, const ActPair*, int64_t, const uint8_t*, int64_t, const float*, int64_t, float* const*, int64_t, int);
+
+#define I8RANGE(KIND)                                                                                     \
+static VNNI void i8range_##KIND(const ActPair* XA, int64_t pairs, const uint8_t* W, int64_t row_bytes,   \
+                                const float* BIAS, float* O, const int64_t* ROWS, int64_t R, int64_t K,   \
+                                int64_t N, int64_t N0, int64_t rows, int64_t b_lo, int64_t b_hi) {        \
+    for (int64_t b = b_lo; b < b_hi; ++b) {                                                               \
+        const int64_t n = N0 + b * 4;                                                                     \
+        const int nn = (int)(rows - b * 4 < 4 ? rows - b * 4 : 4);                                        \
+        const uint8_t* w = W + b * 4 * row_bytes;                                                         \
+        for (int64_t r = 0; r < R; r += 6) {                                                              \
+            float* out[6];                                                                                \
+            I8Block* const block[7] = {NULL, i8_##KIND##_1, i8_##KIND##_2, i8_##KIND##_3, i8_##KIND##_4,  \
+                                       i8_##KIND##_5, i8_##KIND##_6};                                     \
+            block[six_rows(out, O, ROWS, r, R, N)](r == 0, XA + r * pairs, pairs, w, row_bytes, BIAS, K, out, n, nn); \
+        }                                                                                                 \
+    }                                                                                                     \
+}
+#define I8KIND(KIND, SIGNED, OFFSET) I8BLOCK(1, KIND, SIGNED, OFFSET) I8BLOCK(2, KIND, SIGNED, OFFSET)    \
+    I8BLOCK(3, KIND, SIGNED, OFFSET) I8BLOCK(4, KIND, SIGNED, OFFSET) I8BLOCK(5, KIND, SIGNED, OFFSET)    \
+    I8BLOCK(6, KIND, SIGNED, OFFSET) I8RANGE(KIND)
+I8KIND(q8_0, 1, 0)
+I8KIND(q5_0, 1, 0)
+I8KIND(q4_k, 0, 1)
+I8KIND(q6_k, 1, 0)
+
+/* Q8_0 repacked for the int8 kernels (KIND_Q8_0_R4, an exact rearrangement of a Q8_0 matrix with rows % 4 == 0
+   and K % 64 == 0): each 4-row block is one stream of K / 64 pairs of groups, each pair 4 x 64 bytes (row j's two
+   groups, q ^ 0x80) then its 8 fp16 scales (row j's pair at 2j, 2j+1). A thread then reads one sequential stream
+   instead of four row streams, and a pass needs one load and no decoding per 64 weights. */
+static inline VNNI __m512 r4_scales(const uint8_t* scales16, int j) {
+    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_set1_epi32(2 * j));
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)scales16))));
+}
+
+#define I8BLOCK_R4(RR)                                                                                    \
+static VNNI void i8r4_##RR(const ActPair* xa, int64_t pairs, const uint8_t* w, const float* bias,         \
+                           float* const* o, int64_t n) {                                                  \
+    __m512 acc[RR][4];                                                                                    \
+    for (int i = 0; i < RR; ++i) for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();              \
+    for (int64_t p = 0; p < pairs; ++p) {                                                                 \
+        const uint8_t* b = w + p * 272;                                                                   \
+        _mm_prefetch((const char*)(b + 4 * 272 * pairs * I8_PREFETCH_BLOCKS), _MM_HINT_T0);                 \
+        _mm_prefetch((const char*)(b + 4 * 272 * pairs * I8_PREFETCH_BLOCKS + 64), _MM_HINT_T0);            \
+        _mm_prefetch((const char*)(b + 4 * 272 * pairs * I8_PREFETCH_BLOCKS + 128), _MM_HINT_T0);           \
+        _mm_prefetch((const char*)(b + 4 * 272 * pairs * I8_PREFETCH_BLOCKS + 192), _MM_HINT_T0);           \
+        _mm_prefetch((const char*)(b + 4 * 272 * pairs * I8_PREFETCH_BLOCKS + 256), _MM_HINT_T0);           \
+        for (int j = 0; j < 4; ++j) {                                                                     \
+            const __m512i u = _mm512_loadu_si512((const void*)(b + 64 * j));                              \
+            const __m512 scale = r4_scales(b + 256, j);                                                   \
+            for (int i = 0; i < RR; ++i) {                                                                \
+                const ActPair* a = xa + i * pairs + p;                                                    \
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512((const __m512i*)a->corr), u,    \
+                                                        _mm512_load_si512((const __m512i*)a->q));         \
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_load_ps(a->dx)), acc[i][j]); \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    for (int i = 0; i < RR; ++i) for (int j = 0; j < 4; ++j)                                              \
+        o[i][n + j] = bias ? _mm512_reduce_add_ps(acc[i][j]) + bias[n + j] : _mm512_reduce_add_ps(acc[i][j]); \
+}
+I8BLOCK_R4(1) I8BLOCK_R4(2) I8BLOCK_R4(3) I8BLOCK_R4(4) I8BLOCK_R4(5) I8BLOCK_R4(6)
+
+static VNNI void i8range_q8_0_r4(const ActPair* XA, int64_t pairs, const uint8_t* W, int64_t row_bytes, const float* BIAS,
+                                 float* O, const int64_t* ROWS, int64_t R, int64_t K, int64_t N, int64_t N0, int64_t rows,
+                                 int64_t b_lo, int64_t b_hi) {
+    (void)K, (void)rows;
+    for (int64_t b = b_lo; b < b_hi; ++b) {
+        const int64_t n = N0 + b * 4;
+        const uint8_t* w = W + b * 4 * row_bytes;
+        for (int64_t r = 0; r < R; r += 6) {
+            float* out[6];
+            void (*const block[7])(const ActPair*, int64_t, const uint8_t*, const float*, float* const*, int64_t) = {
+                NULL, i8r4_1, i8r4_2, i8r4_3, i8r4_4, i8r4_5, i8r4_6};
+            block[six_rows(out, O, ROWS, r, R, N)](XA + r * pairs, pairs, w, BIAS, out, n);
+        }
+    }
+}
+
+/* Row j of a Q8_0_R4 4-row block's pair p as 64 floats (the embedding lookup and a prefill's chunks). */
+static void r4_row_pair(const uint8_t* block, int64_t p, int j, float* out) {
+    const uint8_t* b = block + p * 272;
+    for (int h = 0; h < 2; ++h) {
+        const float d = fp16(b + 256 + 4 * j + 2 * h);
+        for (int e = 0; e < 32; ++e) out[32 * h + e] = (float)(int8_t)(b[64 * j + 32 * h + e] ^ 0x80) * d;
+    }
+}
+
+/* A Q8_0 matrix [rows, K / 32 * 34] (rows % 4 == 0, K % 64 == 0) rearranged into Q8_0_R4, same size. */
+void repack_q8_0_r4(const uint8_t* SRC, int64_t rows, int64_t K, uint8_t* DST, int threads) {
+    const int64_t row_bytes = K / 32 * 34, pairs = K / 64;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t blk = 0; blk < rows / 4; ++blk) {
+        for (int64_t p = 0; p < pairs; ++p) {
+            uint8_t* d = DST + blk * 4 * row_bytes + p * 272;
+            for (int j = 0; j < 4; ++j) {
+                const uint8_t* s = SRC + (blk * 4 + j) * row_bytes + p * 68;
+                for (int h = 0; h < 2; ++h) {
+                    memcpy(d + 256 + 4 * j + 2 * h, s + 34 * h, 2);
+                    for (int e = 0; e < 32; ++e) d[64 * j + 32 * h + e] = s[34 * h + 2 + e] ^ 0x80;
+                }
+            }
+        }
+    }
+}
+
+typedef void (*I8Range)(const ActPair*, int64_t, const uint8_t*, int64_t, const float*, float*, const int64_t*, int64_t,
+                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+static I8Range int8_range(int kind) {
+    switch (kind) {
+        case KIND_Q8_0: return i8range_q8_0;
+        case KIND_Q5_0: return i8range_q5_0;
+        case KIND_Q4_K: return i8range_q4_k;
+        case KIND_Q6_K: return i8range_q6_k;
+        case KIND_Q8_0_R4: return i8range_q8_0_r4;
+        default: return NULL;
+    }
+}
+
+/* This thread's quantized copy of X [R, K] (each thread quantizes all R rows itself: no barrier, and a row's
+   bytes never depend on the split). The buffer grows as needed and is kept for the thread's next call. */
+static ActPair* thread_act(const float* X, int64_t R, int64_t K) {
+    static __thread ActPair* buffer = NULL;
+    static __thread int64_t capacity = 0;
+    const int64_t pairs = (K + 63) / 64, need = R * pairs;
+    if (need > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)need * sizeof(ActPair));
+        capacity = buffer ? need : 0;
+        if (!buffer) return NULL;
+    }
+    for (int64_t r = 0; r < R; ++r) quantize_act_row(X + r * K, K, buffer + r * pairs);
+    return buffer;
+}
+
+/* OUT [R, (K + 63) / 64 * 64] = X's rows as the int8 kernels see them (q * dx per element): for the tests. */
+void int8_activations(const float* X, int64_t R, int64_t K, float* OUT) {
+    const int64_t pairs = (K + 63) / 64;
+    const ActPair* a = thread_act(X, R, K);
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t p = 0; p < pairs; ++p)
+            for (int e = 0; e < 64; ++e) OUT[(r * pairs + p) * 64 + e] = (float)a[r * pairs + p].q[e] * a[r * pairs + p].dx[e / 32 * 8];
+}
+
 /* Bytes of one row of K weights of a kind (0 for a kind not served, or K not a multiple of its block). */
 int64_t kind_row_bytes(int kind, int64_t K) {
     switch (kind) {
         case KIND_F32: return 4 * K;
         case KIND_BF16: return 2 * K;
         case KIND_Q8_0: return K % 32 ? 0 : K / 32 * 34;
+        case KIND_Q8_0_R4: return K % 64 ? 0 : K / 32 * 34;
         case KIND_Q5_0: return K % 32 ? 0 : K / 32 * 22;
         case KIND_Q4_K: return K % 256 ? 0 : K / 256 * 144;
         case KIND_Q6_K: return K % 256 ? 0 : K / 256 * 210;
@@ -237,9 +513,12 @@ static QRange quant_range(int kind, int wide) {
 void weight_part(const Weight* W, int wide, const float* X, const float* BIAS, float* O, const int64_t* ROWS,
                  int64_t R, int64_t K, int64_t N, int t, int T) {
     if (W->parts == 1 && (W->kind[0] == KIND_F32 || W->kind[0] == KIND_BF16)) {
-        float_part(W->kind[0] == KIND_BF16, wide, X, W->data[0], BIAS, O, ROWS, R, K, N, t, T);
+        float_part(W->kind[0] == KIND_BF16, wide & WIDE_AVX512, X, W->data[0], BIAS, O, ROWS, R, K, N, t, T);
         return;
     }
+    int repacked = 0;
+    for (int p = 0; p < W->parts; ++p) repacked |= W->kind[p] == KIND_Q8_0_R4;
+    const ActPair* xa = (wide & WIDE_VNNI) || repacked ? thread_act(X, R, K) : NULL;  /* Q8_0_R4 exists only with VNNI */
     int64_t blocks = 0;
     for (int p = 0; p < W->parts; ++p) blocks += (W->rows[p] + 3) / 4;
     const int64_t lo = blocks * t / T, hi = blocks * (t + 1) / T;
@@ -247,8 +526,12 @@ void weight_part(const Weight* W, int wide, const float* X, const float* BIAS, f
     for (int p = 0; p < W->parts; ++p) {
         const int64_t count = (W->rows[p] + 3) / 4;
         const int64_t b_lo = lo > first ? lo - first : 0, b_hi = hi < first + count ? hi - first : count;
-        if (b_lo < b_hi) {
-            const QRange range = quant_range(W->kind[p], wide);
+        if (b_lo < b_hi && xa) {
+            const I8Range range = int8_range(W->kind[p]);
+            if (range) range(xa, (K + 63) / 64, (const uint8_t*)W->data[p], kind_row_bytes(W->kind[p], K), BIAS, O, ROWS,
+                             R, K, N, n0, W->rows[p], b_lo, b_hi);
+        } else if (b_lo < b_hi) {
+            const QRange range = quant_range(W->kind[p], wide & WIDE_AVX512);
             if (range) range(X, (const uint8_t*)W->data[p], kind_row_bytes(W->kind[p], K), BIAS, O, ROWS, R, K, N, n0,
                              W->rows[p], b_lo, b_hi);
         }
@@ -271,8 +554,13 @@ void dequantize_rows(const void* DATA, int kind, int64_t K, const int64_t* IDX, 
     const int64_t row_bytes = kind_row_bytes(kind, K);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < R; ++r) {
-        const uint8_t* row = (const uint8_t*)DATA + (IDX ? IDX[r] : r) * row_bytes;
+        const int64_t index = IDX ? IDX[r] : r;
+        const uint8_t* row = (const uint8_t*)DATA + index * row_bytes;
         float* out = OUT + r * K;
+        if (kind == KIND_Q8_0_R4) {
+            for (int64_t p = 0; p < K / 64; ++p) r4_row_pair((const uint8_t*)DATA + (index / 4) * 4 * row_bytes, p, (int)(index % 4), out + 64 * p);
+            continue;
+        }
         for (int64_t g = 0; g < K / 32; ++g) {
             __m256 v[4];
             switch (kind) {

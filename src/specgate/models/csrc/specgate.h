@@ -10,6 +10,7 @@
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PREFETCH_ROWS 8  /* rows of W ahead (two 4-row blocks) that a block asks the cache for */
@@ -23,7 +24,12 @@ enum {
     KIND_Q8_0 = 8,  /* K / 32 blocks of 34 bytes: fp16 scale, 32 int8 */
     KIND_Q4_K = 12, /* K / 256 blocks of 144 bytes: fp16 scale and min, 12 bytes of 6-bit sub-scales, 128 of nibbles */
     KIND_Q6_K = 14, /* K / 256 blocks of 210 bytes: 128 low nibbles, 64 of 2-bit highs, 16 int8 sub-scales, fp16 scale */
+    KIND_Q8_0_R4 = 108, /* Q8_0 rearranged for the int8 kernels, 4 rows interleaved (quant.c; specgate's own number) */
 };
+
+/* The `wide` argument of the products (and Config.wide): bits of what the CPU has, decided by it alone (never by R). */
+#define WIDE_AVX512 1 /* AVX-512 float32 products (avx512f, avx512bw) */
+#define WIDE_VNNI 2   /* quantized weights: int8 activations and integer dot products (avx512vnni, avx512vl) */
 
 #define WEIGHT_PARTS 4
 
