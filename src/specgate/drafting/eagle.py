@@ -29,7 +29,8 @@ draft time, and the tests check the two agree.
 Shipping: `save_head(head, dir, metadata)` writes the trainable weights (bf16), the d2t map, eagle_config.json (the
 config, a fingerprint of the target the head was attached to and of the map) and a model card; `load_head(dir,
 target)` attaches it to a target and refuses another model, naming the mismatch. Drafting with it (`--draft
-eagle:<dir>`): specgate.drafting.eagle_drafter.
+eagle:<dir>`): specgate.drafting.eagle_drafter. A quantized target (--dtype gguf, the default for the GGUF target,
+or int8) serves as it is: the head reads its embedding through exact dequantization (embedding_rows).
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specgate.models import native
 from specgate.models.kv_cache import KVCache
+from specgate.models.quant import QuantWeight
 from specgate.models.transformer import Batch, Block, CausalLM, ModelArgs, RMSNorm, apply_rope, rope_inv_freq
 
 FEATURE_FINAL_NORM = -1  # in feature_layers: the target's final-norm hidden state (what forward(return_hidden) gives)
@@ -146,9 +149,20 @@ class _HeadRuntime:
         self.inv_freq, self.compute_dtype = inv_freq, compute_dtype
 
 
+def embedding_rows(table: Tensor | QuantWeight, token_ids: Tensor) -> Tensor:
+    """Rows token_ids [..] of a target's embedding table [V_t, H] -> [.., H] float32 (unscaled). A quantized table
+    (QuantWeight: --dtype gguf / int8) is dequantized in C exactly as ggml does, the rows read only, as the target's
+    own QuantEmbedding reads them; a float / bf16 table is indexed (bf16 widens exactly)."""
+    if isinstance(table, QuantWeight):
+        flat = token_ids.reshape(-1).contiguous()
+        return native.dequantize_rows(table, flat).view(*token_ids.shape, table.in_features)
+    return F.embedding(token_ids, table).float()
+
+
 class EagleHead(nn.Module):
-    """The draft head. Trainable: feature norms/projection, embed/feature norms, fc, the Block. Frozen buffers
-    (not in state_dict, taken from the target by `attach_target`): the embedding table, final norm scale, rows."""
+    """The draft head. Trainable: feature norms/projection, embed/feature norms, fc, the Block. Frozen, not in
+    state_dict, taken from the target by `attach_target`: the embedding table (by reference; a QuantWeight for a
+    quantized target), and the buffers final norm scale and rows (float32)."""
 
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
@@ -164,18 +178,23 @@ class EagleHead(nn.Module):
         self.layer = Block(config.layer_args(), 0)
         self.final_norm = RMSNorm(H, config.norm_eps, gemma=True)
         self.final_norm.weight.requires_grad_(False)
-        self.register_buffer("embed", torch.zeros(0, H), persistent=False)  # [V_t, H] the target's, shared
+        # [V_t, H] the target's table, shared: a plain attribute, not a buffer, since a quantized target's is a QuantWeight
+        self.embed: Tensor | QuantWeight = torch.zeros(0, H)
         self.register_buffer("rows", torch.zeros(config.draft_vocab_size, H), persistent=False)  # [V_d, H] frozen
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64), persistent=False)  # [V_d]
         self.inv_freq = {"all": rope_inv_freq({"rope_type": "default", "rope_theta": config.rope_theta}, config.head_dim)}
 
     def attach_target(self, target: CausalLM, d2t: Tensor) -> "EagleHead":
-        """Take the frozen parts from the target: its embedding (by reference), final norm and the rows d2t."""
+        """Take the frozen parts from the target: its embedding (by reference), final norm and the rows d2t. A
+        quantized target (QuantWeight table: --dtype gguf / int8) works as is: its d2t rows are dequantized once,
+        exactly, to float32 (12,288 x 640 floats, 31 MB, for Gemma-3-270M), and token lookups dequantize the rows
+        they read, so the head sees the values the target computes with."""
         if d2t.shape != (self.config.draft_vocab_size,):
             raise ValueError(f"d2t {tuple(d2t.shape)} must be [{self.config.draft_vocab_size}] (one target id per draft output)")
-        self.embed = target.embed_tokens.weight.detach()
-        self.rows = target.embed_tokens.weight.detach()[d2t].float().clone()  # tied head: the embedding's rows
+        weight = target.embed_tokens.weight
+        self.embed = weight if isinstance(weight, QuantWeight) else weight.detach()
         self.d2t = d2t.to(torch.int64).clone()
+        self.rows = embedding_rows(self.embed, self.d2t).clone()  # [V_d, H] tied head: the embedding's rows
         with torch.no_grad():
             self.final_norm.weight.copy_(target.norm.weight.float())
         return self
@@ -195,8 +214,8 @@ class EagleHead(nn.Module):
 
     def embed_tokens(self, token_ids: Tensor) -> Tensor:
         """token_ids [..] target ids -> [.., H] float32: the target's embedding, scaled as the target scales it."""
-        scale = torch.tensor(self.config.embed_scale, dtype=self.embed.dtype).float()
-        return F.embedding(token_ids, self.embed).float() * scale
+        scale = torch.tensor(self.config.embed_scale, dtype=self.embed.dtype).float()  # QuantWeight.dtype: float32
+        return embedding_rows(self.embed, token_ids) * scale
 
     def project_target(self, features: Tensor) -> Tensor:
         """The target's features [.., n, H] (feature_layers) -> the head's feature input [.., H]."""
@@ -368,8 +387,9 @@ MODEL_CARD_FILE = "README.md"
 HEAD_FORMAT = "specgate-eagle-head"
 FINGERPRINT_IDS = 5  # embedding rows sampled, at evenly spaced ids
 FINGERPRINT_COLUMNS = 16  # leading values of each sampled row and of the final norm's scale
-# a sampled value may move by this fraction of the sample's largest magnitude: bf16 / 8-bit copies of one model
-# pass (they round by < 1%), another model's weights do not (they differ by the values' own size)
+# a sampled value may move by this fraction of the sample's largest magnitude: bf16 and Q8_0 copies of one model
+# pass (bf16 rounds a value by <= 0.4% of itself, Q8_0 by <= 1/254 of its 32-value block's largest), another
+# model's weights do not (they differ by the values' own size)
 FINGERPRINT_TOLERANCE = 0.05
 TRAIN_HINT = "python -m specgate.drafting.eagle_train extract / train against that target, then eagle.save_head"
 
@@ -385,7 +405,7 @@ def target_fingerprint(head: EagleHead) -> dict[str, Any]:
     return {
         "embedding_shape": [int(vocab), int(hidden)],
         "embedding_ids": ids.tolist(),
-        "embedding_sample": head.embed[ids, :FINGERPRINT_COLUMNS].float().tolist(),
+        "embedding_sample": embedding_rows(head.embed, ids)[:, :FINGERPRINT_COLUMNS].tolist(),  # dequantized if quantized
         "final_norm_sample": head.final_norm.weight[:FINGERPRINT_COLUMNS].float().tolist(),
     }
 
@@ -423,7 +443,13 @@ def load_head(head_dir: str | Path, target: Any) -> EagleHead:
     """The head saved in head_dir, attached to target (a LoadedModel or CausalLM), in eval mode, float32.
 
     Raises ValueError naming the mismatch and the fix when the dir is not a saved head, its files disagree, or
-    target is not the model it was trained on (embedding shape or values, final norm: target_fingerprint)."""
+    target is not the model it was trained on (embedding shape or values, final norm: target_fingerprint).
+    A quantized target (--dtype gguf / int8) is compared by its dequantized values, under the one rule for every
+    dtype: the embedding shape equal, and each sampled value within FINGERPRINT_TOLERANCE (5%) of the recorded
+    sample's largest magnitude. So a head saved against a GGUF loaded as float32 / bf16 loads onto the same GGUF's
+    blocks (--dtype gguf: equal values, or bf16 rounding), and one saved against a float model loads onto that
+    model quantized to Q8_0 (int8 on load, or a GGUF whose embedding is Q8_0, as Gemma-3-270M Q4_K_M's is); another
+    model of the same shapes fails (its values differ by their own size)."""
     from safetensors.torch import load_file
 
     from specgate.drafting.model_drafter import load_vocab_map
@@ -435,9 +461,6 @@ def load_head(head_dir: str | Path, target: Any) -> EagleHead:
     info = json.loads((path / HEAD_CONFIG_FILE).read_text())
     if info.get("format") != HEAD_FORMAT:
         raise ValueError(f"'{path / HEAD_CONFIG_FILE}' has format {info.get('format')!r}, not {HEAD_FORMAT!r}: give a directory eagle.save_head wrote")
-    if not isinstance(model.embed_tokens.weight, Tensor):
-        raise ValueError(f"target '{name}' keeps its embedding quantized: the EAGLE head reads it as a table, so load the target "
-                         "with --dtype bfloat16 or float32 (not gguf / int8)")
     config = EagleConfig.from_dict(info["config"])
     d2t = load_vocab_map(path, config.draft_vocab_size, int(model.vocab_size))
     if d2t is None or d2t_fingerprint(d2t) != info.get("d2t_sha256"):
@@ -455,7 +478,8 @@ def load_head(head_dir: str | Path, target: Any) -> EagleHead:
 
 
 def _check_target(path: Path, info: dict[str, Any], actual: dict[str, Any], name: str) -> None:
-    """Raise ValueError if the target's fingerprint is not the recorded one (shape exactly, values within tolerance)."""
+    """Raise ValueError if the target's fingerprint is not the recorded one (shape exactly, values within tolerance:
+    |recorded - actual| <= FINGERPRINT_TOLERANCE * max |recorded| per sample, actual dequantized where quantized)."""
     saved = info["target_fingerprint"]
     trained_on = info.get("metadata", {}).get("target", "another model")
     fix = f"use the target it was trained on ('{trained_on}'), or train a head for '{name}' ({TRAIN_HINT})"

@@ -267,7 +267,7 @@ def evaluate(head: eagle.EagleHead, heldout: dict[str, Any], prompt_len: int, co
 
 DEFAULT_LIMITS = [
     "held-out acceptance is the teacher-forced greedy proxy (eagle.chain_acceptance), not an end-to-end measurement",
-    "reads the target's final-norm state only; needs the target's embedding as a table (not --dtype gguf / int8)",
+    "reads the target's final-norm state only",
     "drafts over the default draft's reduced vocabulary (d2t); other tokens are never drafted (the target still emits them)",
 ]
 
