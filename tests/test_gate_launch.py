@@ -92,7 +92,17 @@ def test_unknown_engine_and_llamacpp_spec_are_named():
     with pytest.raises(ValueError, match="--engine 'tgi' is not known"):
         launch.build_profiles(options("tgi", ["ngram"]))
     with pytest.raises(ValueError, match="specgate serves"):
-        launch.build_profiles(options("specgate", ["eagle:x"]))
+        launch.build_profiles(options("specgate", ["eagle3:x"]))
+
+
+def test_specgate_serves_a_saved_eagle_head_as_its_draft():
+    profiles = launch.build_profiles(options("specgate", ["eagle:/heads/gemma-eagle", "adaptive:eagle:/heads/gemma-eagle"]))
+    fixed, adaptive = profiles[1:]
+    assert fixed.draft == "eagle:/heads/gemma-eagle" and fixed.name.startswith("eagle-gemma-eagle") and fixed.policy == "fixed"
+    assert adaptive.draft == "eagle:/heads/gemma-eagle" and adaptive.policy == "adaptive"
+    for profile in (fixed, adaptive):
+        argv = profile.argv(9)
+        assert argv[argv.index("--draft") + 1] == "eagle:/heads/gemma-eagle"
 
 
 def test_a_binary_that_exits_at_start_is_a_start_error_with_its_last_line(tmp_path):

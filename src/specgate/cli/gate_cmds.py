@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
         target: str = typer.Option("gemma-3-270m", help="Embedded mode: the target (gemma-3-270m, an HF directory or a .gguf file); also the weights used to score quality."),
         engine: str = typer.Option(None, help="The engine to launch: specgate (default), llama.cpp, vllm or sglang; with --endpoint, the engine behind it (default: read from its answers)."),
         spec: list[str] = typer.Option([], help="A speculative method of --engine, repeatable: llama.cpp ngram-simple, ngram-mod, ngram-cache, ngram-map-k, draft:PATH.gguf; vllm / sglang ngram, draft:PATH, eagle3:PATH; specgate as --draft, adaptive[:DRAFT]. ':N' sets its draft length."),
-        draft: list[str] = typer.Option(["default", "ngram"], help="specgate: a speculative configuration per --draft (default, ngram, or a draft model PATH); repeatable."),
+        draft: list[str] = typer.Option(["default", "ngram"], help="specgate: a speculative configuration per --draft (default, ngram, eagle:DIR, or a draft model PATH); repeatable."),
         gamma: str = typer.Option("4", help="Draft tokens per step of every speculative configuration, or a list (2,4,8): one configuration per length."),
         server_cmd: str = typer.Option(None, help="Launch template of the speculative server for any engine: {port} (required), {gamma}, {model}."),
         baseline_cmd: str = typer.Option(None, help="Launch template of the same server without speculation (with --server-cmd)."),

@@ -54,7 +54,7 @@ def check_lossless(
     target: Optional[str] = typer.Option(
         None, "--target", help="Target model (name or path). Omit to run the synthetic suite."
     ),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Drafter for --target (a draft model path or 'ngram')."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Drafter for --target (a draft model path, 'ngram', 'default' or eagle:DIR)."),
     gamma: Optional[int] = typer.Option(None, "--gamma", help="Drafts per step for --target checks (default 4)."),
     samples: Optional[int] = typer.Option(
         None, "--samples",

@@ -25,20 +25,30 @@ the head's own step s - 1 output at j - 1 instead of h_j, and attends exactly as
 s + 1 of a chain started at j - s: to step-0 keys at indices <= j - s and to the chain's own keys of steps
 1..s at indices j - s + 1..j. `unrolled` computes that in parallel; `step` is the cached one-position path used at
 draft time, and the tests check the two agree.
+
+Shipping: `save_head(head, dir, metadata)` writes the trainable weights (bf16), the d2t map, eagle_config.json (the
+config, a fingerprint of the target the head was attached to and of the map) and a model card; `load_head(dir,
+target)` attaches it to a target and refuses another model, naming the mismatch. Drafting with it (`--draft
+eagle:<dir>`): specgate.drafting.eagle_drafter. A quantized target (--dtype gguf, the default for the GGUF target,
+or int8) serves as it is: the head reads its embedding through exact dequantization (embedding_rows).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specgate.models import native
 from specgate.models.kv_cache import KVCache
+from specgate.models.quant import QuantWeight
 from specgate.models.transformer import Batch, Block, CausalLM, ModelArgs, RMSNorm, apply_rope, rope_inv_freq
 
 FEATURE_FINAL_NORM = -1  # in feature_layers: the target's final-norm hidden state (what forward(return_hidden) gives)
@@ -139,9 +149,20 @@ class _HeadRuntime:
         self.inv_freq, self.compute_dtype = inv_freq, compute_dtype
 
 
+def embedding_rows(table: Tensor | QuantWeight, token_ids: Tensor) -> Tensor:
+    """Rows token_ids [..] of a target's embedding table [V_t, H] -> [.., H] float32 (unscaled). A quantized table
+    (QuantWeight: --dtype gguf / int8) is dequantized in C exactly as ggml does, the rows read only, as the target's
+    own QuantEmbedding reads them; a float / bf16 table is indexed (bf16 widens exactly)."""
+    if isinstance(table, QuantWeight):
+        flat = token_ids.reshape(-1).contiguous()
+        return native.dequantize_rows(table, flat).view(*token_ids.shape, table.in_features)
+    return F.embedding(token_ids, table).float()
+
+
 class EagleHead(nn.Module):
-    """The draft head. Trainable: feature norms/projection, embed/feature norms, fc, the Block. Frozen buffers
-    (not in state_dict, taken from the target by `attach_target`): the embedding table, final norm scale, rows."""
+    """The draft head. Trainable: feature norms/projection, embed/feature norms, fc, the Block. Frozen, not in
+    state_dict, taken from the target by `attach_target`: the embedding table (by reference; a QuantWeight for a
+    quantized target), and the buffers final norm scale and rows (float32)."""
 
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
@@ -157,18 +178,23 @@ class EagleHead(nn.Module):
         self.layer = Block(config.layer_args(), 0)
         self.final_norm = RMSNorm(H, config.norm_eps, gemma=True)
         self.final_norm.weight.requires_grad_(False)
-        self.register_buffer("embed", torch.zeros(0, H), persistent=False)  # [V_t, H] the target's, shared
+        # [V_t, H] the target's table, shared: a plain attribute, not a buffer, since a quantized target's is a QuantWeight
+        self.embed: Tensor | QuantWeight = torch.zeros(0, H)
         self.register_buffer("rows", torch.zeros(config.draft_vocab_size, H), persistent=False)  # [V_d, H] frozen
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64), persistent=False)  # [V_d]
         self.inv_freq = {"all": rope_inv_freq({"rope_type": "default", "rope_theta": config.rope_theta}, config.head_dim)}
 
     def attach_target(self, target: CausalLM, d2t: Tensor) -> "EagleHead":
-        """Take the frozen parts from the target: its embedding (by reference), final norm and the rows d2t."""
+        """Take the frozen parts from the target: its embedding (by reference), final norm and the rows d2t. A
+        quantized target (QuantWeight table: --dtype gguf / int8) works as is: its d2t rows are dequantized once,
+        exactly, to float32 (12,288 x 640 floats, 31 MB, for Gemma-3-270M), and token lookups dequantize the rows
+        they read, so the head sees the values the target computes with."""
         if d2t.shape != (self.config.draft_vocab_size,):
             raise ValueError(f"d2t {tuple(d2t.shape)} must be [{self.config.draft_vocab_size}] (one target id per draft output)")
-        self.embed = target.embed_tokens.weight.detach()
-        self.rows = target.embed_tokens.weight.detach()[d2t].float().clone()  # tied head: the embedding's rows
+        weight = target.embed_tokens.weight
+        self.embed = weight if isinstance(weight, QuantWeight) else weight.detach()
         self.d2t = d2t.to(torch.int64).clone()
+        self.rows = embedding_rows(self.embed, self.d2t).clone()  # [V_d, H] tied head: the embedding's rows
         with torch.no_grad():
             self.final_norm.weight.copy_(target.norm.weight.float())
         return self
@@ -188,8 +214,8 @@ class EagleHead(nn.Module):
 
     def embed_tokens(self, token_ids: Tensor) -> Tensor:
         """token_ids [..] target ids -> [.., H] float32: the target's embedding, scaled as the target scales it."""
-        scale = torch.tensor(self.config.embed_scale, dtype=self.embed.dtype).float()
-        return F.embedding(token_ids, self.embed).float() * scale
+        scale = torch.tensor(self.config.embed_scale, dtype=self.embed.dtype).float()  # QuantWeight.dtype: float32
+        return embedding_rows(self.embed, token_ids) * scale
 
     def project_target(self, features: Tensor) -> Tensor:
         """The target's features [.., n, H] (feature_layers) -> the head's feature input [.., H]."""
@@ -351,3 +377,163 @@ def chain_acceptance(head: EagleHead, token_ids: Tensor, features: Tensor, score
 def expected_acceptance_length(rates: Sequence[float]) -> float:
     """1 + sum_k prod_{i<=k} rates[i]: the acceptance length of greedy chains with conditional per-position rates."""
     return 1.0 + sum(math.prod(rates[: k + 1]) for k in range(len(rates)))
+
+
+# --- saving and loading: the head that ships --------------------------------------------------------------------
+
+HEAD_WEIGHTS_FILE = "eagle_head.safetensors"  # the trainable weights only, bf16
+HEAD_CONFIG_FILE = "eagle_config.json"  # format, EagleConfig, the target's and the d2t map's fingerprints, metadata
+MODEL_CARD_FILE = "README.md"
+HEAD_FORMAT = "specgate-eagle-head"
+FINGERPRINT_IDS = 5  # embedding rows sampled, at evenly spaced ids
+FINGERPRINT_COLUMNS = 16  # leading values of each sampled row and of the final norm's scale
+# a sampled value may move by this fraction of the sample's largest magnitude: bf16 and Q8_0 copies of one model
+# pass (bf16 rounds a value by <= 0.4% of itself, Q8_0 by <= 1/254 of its 32-value block's largest), another
+# model's weights do not (they differ by the values' own size)
+FINGERPRINT_TOLERANCE = 0.05
+TRAIN_HINT = "python -m specgate.drafting.eagle_train extract / train against that target, then eagle.save_head"
+
+
+def target_fingerprint(head: EagleHead) -> dict[str, Any]:
+    """What the head was attached to: the target's embedding shape, a few of its values (FINGERPRINT_IDS rows,
+    FINGERPRINT_COLUMNS leading values each) and the final norm's leading scales. Read from the head's frozen
+    parts, which attach_target took from the target, so saving and loading compute it the same way."""
+    if head.embed.numel() == 0:
+        raise ValueError("the head has no target attached: call head.attach_target(target, d2t) before saving or fingerprinting it")
+    vocab, hidden = head.embed.shape
+    ids = torch.linspace(0, vocab - 1, FINGERPRINT_IDS).round().to(torch.int64)
+    return {
+        "embedding_shape": [int(vocab), int(hidden)],
+        "embedding_ids": ids.tolist(),
+        "embedding_sample": embedding_rows(head.embed, ids)[:, :FINGERPRINT_COLUMNS].tolist(),  # dequantized if quantized
+        "final_norm_sample": head.final_norm.weight[:FINGERPRINT_COLUMNS].float().tolist(),
+    }
+
+
+def d2t_fingerprint(d2t: Tensor) -> str:
+    """sha256 of the d2t map's ids (int64, little-endian): the map a head was trained with."""
+    import hashlib
+
+    return hashlib.sha256(d2t.to(torch.int64).contiguous().numpy().astype("<i8").tobytes()).hexdigest()
+
+
+def save_head(head: EagleHead, out_dir: str | Path, metadata: dict[str, Any] | None = None) -> Path:
+    """Write a head that `load_head` can attach to its target: out_dir/eagle_head.safetensors (the trainable
+    weights, bf16; the frozen embedding, rows and final norm are the target's), draft_vocab_map.safetensors (d2t),
+    eagle_config.json (the EagleConfig, the target's fingerprint, the d2t map's sha256, metadata) and README.md, a
+    model card from metadata (see model_card). The head must be attached to the target it was trained on."""
+    from safetensors.torch import save_file
+
+    from specgate.drafting.model_drafter import VOCAB_MAP_FILE, VOCAB_MAP_KEY
+
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    fingerprint = target_fingerprint(head)
+    weights = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in head.named_parameters() if p.requires_grad}
+    save_file(weights, str(out / HEAD_WEIGHTS_FILE), metadata={"format": HEAD_FORMAT})
+    save_file({VOCAB_MAP_KEY: head.d2t.to(torch.int64).contiguous()}, str(out / VOCAB_MAP_FILE))
+    info = {"format": HEAD_FORMAT, "version": 1, "config": head.config.to_dict(), "target_fingerprint": fingerprint,
+            "d2t_sha256": d2t_fingerprint(head.d2t), "metadata": dict(metadata or {})}
+    (out / HEAD_CONFIG_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    (out / MODEL_CARD_FILE).write_text(model_card(head, info))
+    return out
+
+
+def load_head(head_dir: str | Path, target: Any) -> EagleHead:
+    """The head saved in head_dir, attached to target (a LoadedModel or CausalLM), in eval mode, float32.
+
+    Raises ValueError naming the mismatch and the fix when the dir is not a saved head, its files disagree, or
+    target is not the model it was trained on (embedding shape or values, final norm: target_fingerprint).
+    A quantized target (--dtype gguf / int8) is compared by its dequantized values, under the one rule for every
+    dtype: the embedding shape equal, and each sampled value within FINGERPRINT_TOLERANCE (5%) of the recorded
+    sample's largest magnitude. So a head saved against a GGUF loaded as float32 / bf16 loads onto the same GGUF's
+    blocks (--dtype gguf: equal values, or bf16 rounding), and one saved against a float model loads onto that
+    model quantized to Q8_0 (int8 on load, or a GGUF whose embedding is Q8_0, as Gemma-3-270M Q4_K_M's is); another
+    model of the same shapes fails (its values differ by their own size)."""
+    from safetensors.torch import load_file
+
+    from specgate.drafting.model_drafter import load_vocab_map
+
+    path = Path(head_dir).expanduser()
+    model, name = getattr(target, "model", target), getattr(target, "name", "the target")
+    if not (path / HEAD_CONFIG_FILE).is_file():
+        raise ValueError(f"'{path}' is not a saved EAGLE head (no {HEAD_CONFIG_FILE}): give the directory eagle.save_head wrote")
+    info = json.loads((path / HEAD_CONFIG_FILE).read_text())
+    if info.get("format") != HEAD_FORMAT:
+        raise ValueError(f"'{path / HEAD_CONFIG_FILE}' has format {info.get('format')!r}, not {HEAD_FORMAT!r}: give a directory eagle.save_head wrote")
+    config = EagleConfig.from_dict(info["config"])
+    d2t = load_vocab_map(path, config.draft_vocab_size, int(model.vocab_size))
+    if d2t is None or d2t_fingerprint(d2t) != info.get("d2t_sha256"):
+        raise ValueError(f"'{path}': the d2t map is missing or is not the one {HEAD_CONFIG_FILE} records (sha256 differs): "
+                         "the files come from different exports; save the head again with eagle.save_head")
+    head = EagleHead(config).attach_target(model, d2t)
+    _check_target(path, info, target_fingerprint(head), name)
+    weights = load_file(str(path / HEAD_WEIGHTS_FILE))
+    expected = {n for n, p in head.named_parameters() if p.requires_grad}
+    if set(weights) != expected:
+        raise ValueError(f"'{path / HEAD_WEIGHTS_FILE}' does not hold this head's trainable weights (missing "
+                         f"{sorted(expected - set(weights))[:3]}, unexpected {sorted(set(weights) - expected)[:3]}): save it again with eagle.save_head")
+    head.load_state_dict({n: w.float() for n, w in weights.items()}, strict=False)
+    return head.eval()
+
+
+def _check_target(path: Path, info: dict[str, Any], actual: dict[str, Any], name: str) -> None:
+    """Raise ValueError if the target's fingerprint is not the recorded one (shape exactly, values within tolerance:
+    |recorded - actual| <= FINGERPRINT_TOLERANCE * max |recorded| per sample, actual dequantized where quantized)."""
+    saved = info["target_fingerprint"]
+    trained_on = info.get("metadata", {}).get("target", "another model")
+    fix = f"use the target it was trained on ('{trained_on}'), or train a head for '{name}' ({TRAIN_HINT})"
+    if saved["embedding_shape"] != actual["embedding_shape"]:
+        raise ValueError(f"EAGLE head '{path}' was trained on a target with embedding [vocab, hidden] = {saved['embedding_shape']}, "
+                         f"but target '{name}' has {actual['embedding_shape']}: {fix}")
+    for key, what in (("embedding_sample", "embedding values"), ("final_norm_sample", "final norm scales")):
+        expected, got = torch.tensor(saved[key]), torch.tensor(actual[key])
+        worst = float((expected - got).abs().max())
+        limit = FINGERPRINT_TOLERANCE * float(expected.abs().max()) + 1e-6
+        if worst > limit:
+            raise ValueError(f"EAGLE head '{path}': target '{name}' has other {what} than the model the head was trained on "
+                             f"(largest difference {worst:.4g}, tolerance {limit:.4g}; same shapes, so another model or checkpoint): {fix}")
+
+
+def model_card(head: EagleHead, info: dict[str, Any]) -> str:
+    """The head's README.md. metadata keys read: target, data, steps, acceptance ({category: {conditional,
+    prefix_match, acceptance_length}}, as eagle_train.evaluate gives), gamma, limits (str or list), recipe; a key
+    left out reads "not recorded"."""
+    meta, config = info["metadata"], head.config
+    missing = "not recorded"
+    limits = meta.get("limits", missing)
+    lines = [
+        f"# EAGLE head for {meta.get('target', 'its target')}", "",
+        "A draft head for specgate's speculative decoding (specgate.drafting.eagle): one decoder layer of the target's shape "
+        "that reads the target's own final-norm features and drafts over a reduced vocabulary. Exact: the target verifies "
+        "every draft over its full vocabulary.", "",
+        "| what | value |", "|---|---|",
+        f"| target | {meta.get('target', missing)} (embedding {info['target_fingerprint']['embedding_shape']}, checked at load) |",
+        f"| feature layers | {list(config.feature_layers)} (-1: final norm) |",
+        f"| draft vocabulary | {config.draft_vocab_size} target ids (draft_vocab_map.safetensors, sha256 {info['d2t_sha256'][:16]}...) |",
+        f"| weights | {head.size_bytes() / 1e6:.1f} MB bf16 ({HEAD_WEIGHTS_FILE}) |",
+        f"| training data | {meta.get('data', missing)} |",
+        f"| training steps | {meta.get('steps', missing)} |",
+        f"| recipe | {meta.get('recipe', missing)} |", "",
+        "## Held-out acceptance", "",
+        *_acceptance_table(meta.get("acceptance"), meta.get("gamma")), "",
+        "## Limits", "",
+        *([f"- {item}" for item in limits] if isinstance(limits, list) else [str(limits)]), "",
+        "## Use", "",
+        "    specgate generate --draft eagle:THIS_DIR --prompt ...", "    specgate serve --draft eagle:THIS_DIR", "",
+    ]
+    return "\n".join(lines)
+
+
+def _acceptance_table(acceptance: dict[str, Any] | None, gamma: Any) -> list[str]:
+    """Markdown rows: per category, the conditional acceptance at each draft position and the acceptance length."""
+    if not acceptance:
+        return ["not recorded"]
+    positions = max(len(entry.get("conditional", [])) for entry in acceptance.values())
+    header = "| category | " + " | ".join(f"pos {k + 1}" for k in range(positions)) + " | acceptance length |"
+    rows = [header, "|---" * (positions + 2) + "|"]
+    for category, entry in acceptance.items():
+        rates = [f"{rate:.3f}" for rate in entry.get("conditional", [])] + ["-"] * (positions - len(entry.get("conditional", [])))
+        rows.append(f"| {category} | " + " | ".join(rates) + f" | {entry.get('acceptance_length', float('nan')):.3f} |")
+    note = f"greedy, teacher-forced chains of {gamma or positions} drafts on the target's own held-out text; pos k: P(draft k accepted | drafts 1..k-1 were)"
+    return [*rows, "", note]

@@ -12,6 +12,8 @@ train (resumable from build/eagle/<run>/checkpoint.pt; seeded): the head (specga
   chosen feature layers, AdamW, warm-up + cosine, loss = KL to the target's distribution over the d2t vocabulary
   + smooth-L1 feature regression, optionally unrolled (training-time test); then the held-out acceptance proxy
   per draft position and category, written to build/eagle/<run>/metrics.json.
+export: a run's checkpoint as the directory `--draft eagle:DIR` loads (eagle.save_head: bf16 weights, the d2t map,
+  the target's fingerprint and a model card from metrics.json).
 """
 
 from __future__ import annotations
@@ -263,6 +265,34 @@ def evaluate(head: eagle.EagleHead, heldout: dict[str, Any], prompt_len: int, co
     return out
 
 
+DEFAULT_LIMITS = [
+    "held-out acceptance is the teacher-forced greedy proxy (eagle.chain_acceptance), not an end-to-end measurement",
+    "reads the target's final-norm state only",
+    "drafts over the default draft's reduced vocabulary (d2t); other tokens are never drafted (the target still emits them)",
+]
+
+
+def export_head(run_dir: Path, target: Any, d2t: Tensor, out_dir: Path, target_name: str, build_dir: Path | None = None) -> Path:
+    """run_dir/checkpoint.pt (train's) -> out_dir, a head eagle.load_head attaches; the model card's metadata from
+    run_dir/metrics.json (steps, held-out acceptance per position and category) and build_dir/extract.json (data)."""
+    state = torch.load(run_dir / "checkpoint.pt")
+    metrics_file = run_dir / "metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
+    extract_file = (build_dir or run_dir.parent) / "extract.json"
+    extracted = json.loads(extract_file.read_text()) if extract_file.is_file() else {}
+    head = eagle.EagleHead(eagle.EagleConfig.from_dict(state["head_config"])).attach_target(target, d2t)
+    head.load_state_dict(state["head"])
+    heldout = metrics.get("heldout") or {}
+    data = (f"{metrics.get('train_positions', 'an unrecorded number of')} training positions: windows of the default draft's corpus "
+            f"(stdlib source, Shakespeare) and the target's own greedy text; extraction {json.dumps(extracted, sort_keys=True) if extracted else 'not recorded'}")
+    metadata = {
+        "target": target_name, "data": data, "steps": state["step"], "recipe": "python -m specgate.drafting.eagle_train extract / train / export",
+        "acceptance": heldout, "gamma": max((len(v.get("conditional", [])) for v in heldout.values()), default=None),
+        "limits": DEFAULT_LIMITS, "train_config": state.get("config"), "features": metrics.get("features"),
+    }
+    return eagle.save_head(head, out_dir, metadata)
+
+
 app = typer.Typer(add_completion=False, help=__doc__)
 
 
@@ -336,6 +366,20 @@ def train_command(
     }
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps(metrics))
+
+
+@app.command("export")
+def export_command(
+    out: Path = typer.Option(..., help="directory to write the head to (then: --draft eagle:OUT)"),
+    build_dir: Path = typer.Option(BUILD_DIR),
+    run: str = typer.Option("pilot", help="the run whose checkpoint to export"),
+) -> None:
+    """Write a trained run's head where `--draft eagle:DIR` finds it, with its model card."""
+    from specgate.models import load_model
+
+    target = load_model(TARGET, dtype=torch.bfloat16)
+    written = export_head(build_dir / run, target.model, default_d2t(), out, target.name, build_dir)
+    print(json.dumps({"out": str(written), "files": sorted(p.name for p in written.iterdir())}))
 
 
 if __name__ == "__main__":

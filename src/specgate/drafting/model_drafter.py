@@ -89,6 +89,29 @@ def load_vocab_map(draft_dir: Path | None, draft_vocab_size: int, target_vocab_s
     return d2t
 
 
+def sample_draft(logits: Tensor, params: Any, generator: torch.Generator | None, d2t: Tensor | None,
+                 target_vocab_size: int) -> tuple[Tensor, Tensor | None]:
+    """The drafters' one sampler (the draft model's, the EAGLE head's): draw from the draft's logits processed with
+    the target's SamplingParams, and say what the draws came from.
+
+    logits `# [B, V_d']` draft logits; d2t `# [V_d']` draft output id -> target id, or None when the draft's
+    outputs are the target's ids. Returns the draft tokens `# [B]` (target ids) and q `# [B, V_t]`, the
+    distribution they were drawn from on the target vocabulary, zero outside d2t (None when greedy: q is one-hot).
+    """
+    from specgate.sampling import logits_to_probs
+
+    if params.greedy:
+        draft_ids = logits.argmax(-1)
+        return (draft_ids if d2t is None else d2t[draft_ids]), None
+    probs = logits_to_probs(logits.float(), params)  # [B, V_d']
+    draft_ids = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]
+    if d2t is None:
+        return draft_ids, probs
+    draft_probs = torch.zeros(probs.shape[0], target_vocab_size, dtype=probs.dtype)  # [B, V_t]
+    draft_probs[:, d2t] = probs
+    return d2t[draft_ids], draft_probs
+
+
 def vocab_fingerprint(pieces: Sequence[str]) -> str:
     """sha256 of the token strings a d2t map points at, in draft-id order (what the ids mean, not just how many)."""
     return hashlib.sha256("\n".join(pieces).encode("utf-8")).hexdigest()
@@ -199,22 +222,9 @@ class ModelDrafter(Drafter):
         return logits[0, : self.num_outputs]  # [V_d']
 
     def sample(self, logits: Tensor, params: Any, generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
-        """The draft's sampler, shared by propose, sample_batch and the batched drafter (drafting.batched).
-
-        logits `# [B, V_d']` draft logits. Returns the draft tokens `# [B]` (target ids) and q `# [B, V_t]`, the
-        distribution they were drawn from on the target vocabulary (None when greedy: q is one-hot).
-        """
-        from specgate.sampling import logits_to_probs
-
-        if params.greedy:
-            return self.d2t[logits.argmax(-1)], None
-        probs = logits_to_probs(logits.float(), params)  # [B, V_d']
-        draft_ids = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]
-        if self.identity_map:
-            return draft_ids, probs
-        draft_probs = torch.zeros(probs.shape[0], self.target_vocab_size, dtype=probs.dtype)  # [B, V_t]
-        draft_probs[:, self.d2t] = probs
-        return self.d2t[draft_ids], draft_probs
+        """The draft's sampler, shared by propose, sample_batch and the batched drafter (drafting.batched):
+        sample_draft with this draft's id map."""
+        return sample_draft(logits, params, generator, None if self.identity_map else self.d2t, self.target_vocab_size)
 
     def sample_batch(self, contexts: Tensor, gamma: int, params: Any, generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
         """Draft gamma tokens for B equal-length contexts [B, T] at once (own cache, B slots).

@@ -1,4 +1,4 @@
-"""Drafter names -> drafters: "none", "ngram", "default", "synthetic:...", or a draft model's name / path."""
+"""Drafter names -> drafters: "none", "ngram", "default", "synthetic:...", "eagle:<dir>", or a draft model's name / path."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ _DRAFTS_DIR = Path(__file__).resolve().parent.parent / "data" / "drafts"
 # target name -> its default draft (a model name or path load_model understands, or a recipe-built draft dir).
 # Gemma-3-270M's is built by `python -m specgate.drafting.build_default` (docs/DRAFT_MODEL.md).
 DEFAULT_DRAFTS: dict[str, str] = {"gemma-3-270m": str(_DRAFTS_DIR / "gemma-3-270m-default")}
+EAGLE_PREFIX = "eagle:"  # --draft eagle:<dir>: a head saved by specgate.drafting.eagle.save_head
+
+
+def make_eagle_drafter(spec: str, target: Any) -> Drafter:
+    """--draft eagle:<dir> -> an EagleDrafter with the head in <dir>, checked against target (eagle.load_head)."""
+    from specgate.drafting.eagle import load_head
+    from specgate.drafting.eagle_drafter import EagleDrafter
+
+    head_dir = spec[len(EAGLE_PREFIX) :].strip()
+    if not head_dir:
+        raise ValueError(f"--draft {spec!r} names no directory: use --draft eagle:PATH, PATH a head saved by eagle.save_head")
+    return EagleDrafter(load_head(head_dir, target), target, name=f"eagle:{Path(head_dir).name}")
 
 
 def make_drafter(spec: str, target: Any, *, dtype: Any = None, gamma: int | None = None) -> Drafter:
@@ -19,14 +31,17 @@ def make_drafter(spec: str, target: Any, *, dtype: Any = None, gamma: int | None
 
     spec: "none" (target only), "ngram" (prompt lookup, n = 1..3), "default" (the target's registered default
     draft), "synthetic:<rates>" or "synthetic:AL=<x>" (LOSSY cost-study drafter, see specgate.drafting.synthetic;
-    AL needs gamma), or anything load_model accepts (a draft model name, HF directory or .gguf file), which
-    gives a ModelDrafter. dtype: the draft model's weights dtype.
+    AL needs gamma), "eagle:<dir>" (an EAGLE head saved by specgate.drafting.eagle.save_head, checked against the
+    target; it computes in float32 whatever dtype says), or anything load_model accepts (a draft model name, HF
+    directory or .gguf file), which gives a ModelDrafter. dtype: the draft model's weights dtype.
     """
     spec = spec.strip()
     if spec == "none":
         return NoDrafter()
     if spec == "ngram":
         return NgramDrafter()
+    if spec.startswith(EAGLE_PREFIX):
+        return make_eagle_drafter(spec, target)
     if spec.startswith("synthetic"):
         from specgate.drafting.synthetic import SyntheticDrafter
 

@@ -103,6 +103,9 @@ class StepResult:
     emitted: list[list[int]]  # per kept row: accepted drafts + the corrected / bonus token, before commit's cuts
     lossless: bool  # False when a labelled lossy verification ran
     forward_s: float  # seconds in the target forward alone
+    # per kept row, the target's final-norm states at the scored positions `# [B_kept, G+1, H]` (return_features), else None.
+    # Row b's first num_accepted[b] + 1 are the states after its committed tokens (positions L_b - 1 ..), for the drafter.
+    features: Tensor | None = None
 
 
 def decode_step(
@@ -114,6 +117,7 @@ def decode_step(
     *,
     lossy: Any = None,
     logits_buffer: Any = None,
+    return_features: bool = False,
 ) -> StepResult:
     """Steps 2-3 for a ragged batch: score every row's drafts in ONE target forward, then verify them.
 
@@ -121,12 +125,15 @@ def decode_step(
     drafts (draft_probs: q as a [G_b, V] tensor or G_b tensors [V]; None: one-hot). lossy: a
     specgate.sampling.lossy mode replacing the exact test, or None. logits_buffer: a models.LogitsBuffer reused
     across steps (the logits are tens of MB; memory already touched is not page-faulted again), or None.
+    return_features: also return the scored positions' final-norm states (StepResult.features), for a drafter
+    that reads them (Drafter.wants_features); off, the forward computes nothing extra.
     """
     ids, positions, draft_tokens, num_drafts = _score_inputs(states, proposals)
     batch, width = ids.shape
     out = None if logits_buffer is None else logits_buffer.view(batch, width)
     start = time.perf_counter()
-    target_logits = model.forward(ids, positions, cache, slots, out=out)  # [B, G+1, V]
+    scored = model.forward(ids, positions, cache, slots, out=out, return_hidden=return_features)
+    target_logits, features = scored if return_features else (scored, None)  # [B, G+1, V], [B, G+1, H] or None
     forward_s = time.perf_counter() - start
     peak, target_argmax = native.max_argmax(target_logits)  # [B, G+1] each: one pass for the check and greedy
     # a -inf logit alone is a legal zero probability; NaN or +inf, or a row of -inf, is not. Pads are not checked.
@@ -140,11 +147,12 @@ def decode_step(
         states, proposals = [states[i] for i in kept], [proposals[i] for i in kept]
         draft_tokens, num_drafts = draft_tokens[index], num_drafts[index]
         target_logits, target_argmax = target_logits[index], target_argmax[index]
+        features = None if features is None else features[index]
     result = _verify(states, proposals, draft_tokens, num_drafts, target_logits, target_argmax, lossy)
     num_accepted = result.num_accepted.tolist()
     output = result.output_tokens.tolist()
     emitted = [row[: accepted + 1] for row, accepted in zip(output, num_accepted)]
-    return StepResult(kept, failed, num_accepted, emitted, bool(result.lossless), forward_s)
+    return StepResult(kept, failed, num_accepted, emitted, bool(result.lossless), forward_s, features)
 
 
 def _score_inputs(states: Sequence[DecodeState], proposals: Sequence[DraftProposal]) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -106,7 +106,7 @@ def generate(
         cache = model.new_cache(1, max_seq_len)
         drafter.begin(prompt_ids, params, seeded_generator(seed, DRAFT_STREAM), max_seq_len)
         start = time.perf_counter()
-        _prefill(model, cache, prompt_ids, stats)
+        _prefill(model, cache, prompt_ids, stats, drafter)
         stats.prefill_ms = (time.perf_counter() - start) * 1e3
         target_pass = _TargetPass(model, cache, torch.zeros(1, dtype=torch.int64), LogitsBuffer(model.vocab_size))
         while True:
@@ -124,12 +124,16 @@ def generate(
     return GenerationResult(tokens=state.tokens, text=state.text.text, stats=stats)
 
 
-def _prefill(model: Any, cache: Any, prompt_ids: Tensor, stats: GenerationStats) -> None:
-    """Write the prompt but its last token into the cache (the first step feeds that one with its drafts)."""
+def _prefill(model: Any, cache: Any, prompt_ids: Tensor, stats: GenerationStats, drafter: Drafter) -> None:
+    """Write the prompt but its last token into the cache (the first step feeds that one with its drafts); a
+    drafter that reads the target's features gets their final-norm states (positions 0..L-2)."""
     prompt_len = int(prompt_ids.numel())
     if prompt_len > 1:
         positions = torch.arange(prompt_len - 1, dtype=torch.int64)[None]  # [1, L-1]
-        model.forward(prompt_ids[None, :-1], positions, cache, torch.zeros(1, dtype=torch.int64), logits=False)
+        wants = drafter.wants_features
+        hidden = model.forward(prompt_ids[None, :-1], positions, cache, torch.zeros(1, dtype=torch.int64), logits=False, return_hidden=wants)
+        if wants:
+            drafter.observe_features(0, hidden[0].float())  # [L-1, H]
         stats.prefill_passes = 1
         stats.target_forward_passes = 1
 
@@ -155,7 +159,8 @@ def _step(state: DecodeState, stats: GenerationStats, drafter: Drafter, gamma: i
     stats.draft_forward_passes += proposal.forward_passes
     verify_start = time.perf_counter()
     result = decode_step(
-        target.model, target.cache, target.slots, [state], [proposal], lossy=drafter.lossy, logits_buffer=target.logits_buffer
+        target.model, target.cache, target.slots, [state], [proposal], lossy=drafter.lossy, logits_buffer=target.logits_buffer,
+        return_features=drafter.wants_features,
     )
     if result.failed:
         raise ValueError(
@@ -163,6 +168,8 @@ def _step(state: DecodeState, stats: GenerationStats, drafter: Drafter, gamma: i
             "check the model's weights and dtype (float32 rules out bf16 overflow)"
         )
     num_accepted = result.num_accepted[0]
+    if result.features is not None:  # the states after the last committed token and the accepted drafts
+        drafter.observe_features(state.length - 1, result.features[0, : num_accepted + 1].float())
     stats.lossless = stats.lossless and result.lossless
     verify_ms = (time.perf_counter() - verify_start) * 1e3
     stats.record_step(proposal.num_tokens, num_accepted, (verify_start - draft_start) * 1e3, verify_ms)

@@ -73,13 +73,12 @@ class _Pair:
         return logits_to_probs(self.target_logits(rows, 1)[:, 0], self.params)
 
     def drafts(self, contexts: Tensor, gamma: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Drafts for contexts [B, T]: tokens [B, G], counts [B], q [B, G, V] or None (one-hot)."""
-        from specgate.drafting.model_drafter import ModelDrafter
-
+        """Drafts for contexts [B, T]: tokens [B, G], counts [B], q [B, G, V] or None (one-hot). A drafter that samples
+        (a draft model, the EAGLE head) drafts every row through its sample_batch; a lookup drafter once per context."""
         batch = contexts.shape[0]
         if gamma == 0 or self.drafter.name == "none":
             return torch.zeros(batch, 0, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64), None
-        if isinstance(self.drafter, ModelDrafter):
+        if hasattr(self.drafter, "sample_batch"):
             tokens, draft_probs = self.drafter.sample_batch(contexts, gamma, self.params, self.generator)
             return tokens, torch.full((batch,), gamma, dtype=torch.int64), draft_probs
         # a lookup drafter is a deterministic function of the context: draft once per distinct context

@@ -47,7 +47,7 @@ LLAMACPP_LENGTH_FLAGS = {
 }
 VLLM_SPECS = ("ngram", "suffix")  # plus draft:PATH, eagle:PATH, eagle3:PATH
 SGLANG_SPECS = ("ngram",)  # plus draft:PATH, eagle:PATH, eagle3:PATH
-SPECGATE_SPECS = ("ngram", "default", "adaptive")  # plus a draft model PATH; adaptive[:DRAFT]
+SPECGATE_SPECS = ("ngram", "default", "adaptive")  # plus a draft model PATH, eagle:DIR (a saved EAGLE head); adaptive[:DRAFT]
 MODEL_SPEC_KINDS = ("draft", "eagle", "eagle3")
 DEFAULT_SPECS = {"specgate": ["default", "ngram"], "llama.cpp": ["ngram-simple:8", "ngram-mod:8"], "vllm": ["ngram"], "sglang": ["ngram"]}
 SERVER_START_TIMEOUT_S = 900.0  # the first Gemma conversion takes ~2 minutes on 2 cores
@@ -207,15 +207,16 @@ def specgate_profiles(o: LaunchOptions) -> list[LaunchProfile]:
     for spec, kind, arg, gamma, named in expand_specs(o):
         if kind == "none":
             continue
-        if kind in ("eagle", "eagle3"):
-            raise ValueError(f"--spec {spec!r}: specgate serves ngram, default, a draft model PATH (or draft:PATH) and adaptive[:DRAFT]")
+        if kind == "eagle3":
+            raise ValueError(f"--spec {spec!r}: specgate serves ngram, default, eagle:DIR (a head saved by specgate), a draft model PATH "
+                             "(or draft:PATH) and adaptive[:DRAFT]")
         if kind == "adaptive":
             draft = arg or "ngram"
             name = _label(f"{Path(draft).name if os.sep in draft else draft}-adaptive", gamma, named)
             profiles.append(LaunchProfile(name, "specgate", specgate_command(o, draft, "adaptive", gamma), f"adaptive:{draft}", gamma, "adaptive", draft=draft))
             continue
-        draft = arg if kind == "draft" else kind  # draft:PATH as for the other engines, or ngram / default / PATH
-        name = _label(Path(draft).name if os.sep in draft else draft, gamma, named)
+        draft = {"draft": arg, "eagle": f"eagle:{arg}"}.get(kind, kind)  # draft:PATH as for the other engines, eagle:DIR, or ngram / default / PATH
+        name = _label(f"eagle-{Path(arg).name}" if kind == "eagle" else Path(draft).name if os.sep in draft else draft, gamma, named)
         profiles.append(LaunchProfile(name, "specgate", specgate_command(o, draft, "fixed", gamma), draft, gamma, "fixed", draft=draft))
     if o.lossy:  # the LOSSY twin of the first speculative configuration (ngram if there is none)
         first = next((p for p in profiles[1:] if p.policy == "fixed"), None)

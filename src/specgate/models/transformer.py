@@ -749,7 +749,8 @@ class CausalLM(nn.Module):
         last non-pad token); with return_hidden, (logits, hidden) with the final-norm hidden state [B, T, H]
         (or [B, H] with last_only). With logits=False the call only writes the K/V (a prefill chunk whose logits
         nobody samples: the final norm and the LM head, 168M of Gemma-3-270M's 268M weights, are skipped) and
-        returns None. out: a contiguous float32 tensor of the logits' shape to write them into, returned (a caller's
+        returns None, or with return_hidden the final-norm hidden state [B, T, H] alone (the LM head skipped: an
+        EAGLE head's prompt features). out: a contiguous float32 tensor of the logits' shape to write them into, returned (a caller's
         reusable buffer: a verification step's logits are tens of MB, and a fresh block that size is page-faulted
         in at every step, ~0.23 ms per MB against ~0.06 ms for memory already touched).
         """
@@ -796,7 +797,7 @@ class CausalLM(nn.Module):
         for block in self.layers:
             x = block(x, batch)
         if not logits:
-            return None
+            return self.norm(x) if return_hidden else None
         hidden = self.norm(x)  # [B, T, H]
 
         if last_only:
@@ -834,7 +835,7 @@ class CausalLM(nn.Module):
             keep, packed = None, flat
             stack.run(flat, flat_positions.contiguous(), flat_slots.contiguous(), cache.keys, cache.values)
         if not logits:
-            return None
+            return self._unpack(self.norm(packed), keep, B, T) if return_hidden else None
         hidden = self.norm(packed)  # [R, H]
         if last_only:
             picked = torch.arange(B, device=positions.device) * T + last_token_index(valid)  # [B] flat index of each row's last token
@@ -869,7 +870,14 @@ class CausalLM(nn.Module):
         else:
             logits[~flat_valid] = 0.0
         if return_hidden:
-            full = torch.zeros(B * T, H, dtype=hidden.dtype)
-            full.index_copy_(0, keep, hidden)
-            return logits.view(B, T, -1), full.view(B, T, H)
+            return logits.view(B, T, -1), self._unpack(hidden, keep, B, T)
         return logits.view(B, T, -1)
+
+    @staticmethod
+    def _unpack(hidden: Tensor, keep: Tensor | None, B: int, T: int) -> Tensor:
+        """The real tokens' hidden states [R, H] back in their padded places [B, T, H] (zeros at the pads)."""
+        if keep is None:
+            return hidden.view(B, T, -1)
+        full = torch.zeros(B * T, hidden.shape[-1], dtype=hidden.dtype)
+        full.index_copy_(0, keep, hidden)
+        return full.view(B, T, -1)

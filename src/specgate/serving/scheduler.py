@@ -10,8 +10,11 @@ then decoded step by step while other requests join and leave between steps. One
      request decodes from the step in which its prefill completes. The draft cache catches up lazily in step 3.
   2. policy: one gamma per decoding request (0 = no drafts), capped by its remaining budget - 1 and, for the
      n-gram drafter, by the drafts it can actually propose (proposed first: lookups are free).
-  3. draft: the n-gram drafter per request, or ONE batched draft-model pass (the draft CausalLM keeps its own
-     cache with the same slot per request; it re-feeds from the first position whose token changed).
+  3. draft: the n-gram drafter per request, or ONE batched draft-model pass per draft position (the draft CausalLM
+     keeps its own cache with the same slot per request; it re-feeds from the first position whose token changed),
+     or ONE batched EAGLE head step per draft position (drafting.eagle_drafter: the head's cache has the same slot
+     per request; each request's HeadState holds the target's final-norm states, which the prefill and the
+     verification pass return for it, return_hidden, only when the drafter is an EAGLE head).
   4. score and 5. verify: the decode core shared with engine.generate (specgate.engine.decode.decode_step):
      ONE batched ragged target forward, row b feeding its last committed token + its drafts at its own absolute
      positions (-1 pads shorter rows), then one verification call for the batch with one torch.Generator per
@@ -62,6 +65,8 @@ from torch import Tensor
 
 from specgate.drafting.base import DraftProposal
 from specgate.drafting.batched import BatchedModelDrafter
+from specgate.drafting.eagle import EagleHead
+from specgate.drafting.eagle_drafter import EagleProposer, HeadState
 from specgate.drafting.ngram import NgramDrafter
 from specgate.engine.decode import DRAFT_STREAM, VERIFY_STREAM, DecodeState, decode_step, eos_token_ids, seeded_generator
 from specgate.models.transformer import LogitsBuffer
@@ -174,6 +179,7 @@ class RequestState(DecodeState):
 
     draft_generator: torch.Generator  # the draft model's sampling stream (the n-gram drafter draws nothing)
     ngram: NgramDrafter | None  # the request's lookup index (n-gram drafts), else None
+    head: HeadState | None = None  # the EAGLE head's state (the target's final-norm states by position), else None
     prefilled: int = 0  # prompt tokens in the target's cache; the request decodes once it reaches prompt_len - 1
     proposals: list[LookupProposal] = field(default_factory=list)  # n-gram proposals not yet fully scored
 
@@ -191,8 +197,9 @@ class StepStats:
 class Scheduler:
     """Continuous-batching speculative decoding over one target (and optionally one draft) model.
 
-    target: specgate.models.LoadedModel. draft: "none", "ngram", or a LoadedModel (draft model sharing the
-    target's tokenizer). policy: a SpeculationPolicy. num_slots: KV rows = the most requests decoded at once.
+    target: specgate.models.LoadedModel. draft: "none", "ngram", a LoadedModel (draft model sharing the
+    target's tokenizer) or an EagleHead attached to the target (specgate.drafting.eagle.load_head). policy: a
+    SpeculationPolicy. num_slots: KV rows = the most requests decoded at once.
     max_seq_len: positions per slot (prompt + max_tokens must fit). max_waiting: requests allowed to wait for
     a slot beyond the running ones. metrics: an object with the specgate.serving.metrics.ServingMetrics hooks,
     or None. lossy: a specgate.sampling.lossy mode replacing exact verification (LOSSY; its steps are counted
@@ -256,11 +263,15 @@ class Scheduler:
         if isinstance(draft, str) and draft in ("none", "ngram"):
             self.draft_kind, self.model_drafter = draft, None
         elif isinstance(draft, str):
-            raise ValueError(f"draft={draft!r}: pass 'none', 'ngram' or a loaded draft model (specgate.models.load_model)")
+            raise ValueError(f"draft={draft!r}: pass 'none', 'ngram', a loaded draft model (specgate.models.load_model) or an EagleHead (eagle.load_head)")
+        elif isinstance(draft, EagleHead):
+            self.draft_kind = "eagle"
+            self.model_drafter = EagleProposer(draft, target.model.vocab_size, num_slots, max_seq_len)
         else:
             self.draft_kind = "model"
             self.model_drafter = BatchedModelDrafter(draft, target, num_slots, max_seq_len)
         self.draft_name = self.model_drafter.name if self.model_drafter else self.draft_kind
+        self.wants_features = self.draft_kind == "eagle"  # the target's passes return final-norm states for the head
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -452,6 +463,7 @@ class Scheduler:
                 text=OutputText(self.target.tokenizer, list(request.stop), self._text_sink(request)),
                 verify_generator=seeded_generator(request.seed, VERIFY_STREAM),
                 draft_generator=seeded_generator(request.seed, DRAFT_STREAM), ngram=ngram,
+                head=self.model_drafter.new_state() if self.wants_features else None,
             )
 
     def _prefill(self) -> None:
@@ -479,9 +491,13 @@ class Scheduler:
             ids[row, :count] = request.prompt_ids[first : first + count]
             positions[row, :count] = torch.arange(first, first + count)
         slots = torch.tensor([r.slot for r, _, _ in rows], dtype=torch.int64)  # [B]
-        self.target.model.forward(ids, positions, self.cache, slots, logits=False)  # the cache only: no head pass
-        for request, first, count in rows:
-            self._state[request.request_id].prefilled = first + count
+        # the cache only, no LM head; the final-norm states too when the EAGLE head reads them
+        hidden = self.target.model.forward(ids, positions, self.cache, slots, logits=False, return_hidden=self.wants_features)
+        for row, (request, first, count) in enumerate(rows):
+            state = self._state[request.request_id]
+            state.prefilled = first + count
+            if state.head is not None:
+                state.head.observe(first, hidden[row, :count].float())
 
     def _text_sink(self, request: Request) -> Callable[[str], None]:
         def on_text(delta: str) -> None:
@@ -519,6 +535,8 @@ class Scheduler:
         if self.model_drafter is not None:
             contexts = [s.context[: s.length] for s in states]
             slots, params, generators = [r.slot for r in running], [s.params for s in states], [s.draft_generator for s in states]
+            if self.wants_features:
+                return self.model_drafter.propose(slots, [s.head for s in states], contexts, gammas, params, generators)
             return self.model_drafter.propose(slots, contexts, gammas, params, generators)
         return [DraftProposal(tokens=torch.empty(0, dtype=torch.int64), draft_probs=None) for _ in running]
 
@@ -538,7 +556,8 @@ class Scheduler:
         batch, width = len(running), max(num_drafts)
         # 4-5. the decode core: one ragged target forward, one verification for the batch
         slots = torch.tensor([r.slot for r in running], dtype=torch.int64)  # [B]
-        result = decode_step(self.target.model, self.cache, slots, states, proposals, lossy=self.lossy, logits_buffer=self._logits)
+        result = decode_step(self.target.model, self.cache, slots, states, proposals, lossy=self.lossy, logits_buffer=self._logits,
+                             return_features=self.wants_features)
         # (the logits block is kept across steps: a fresh 80 MB one, 16 requests x 5 positions x Gemma's 262,144, page-faults ~19 ms)
         self._fail_non_finite([running[i] for i in result.failed], [states[i] for i in result.failed])
         if not result.kept:
@@ -550,6 +569,8 @@ class Scheduler:
         step_stats = StepStats(accepted_per_position=[0] * width)
         rows_emitted, rows_before = [], []  # per row: tokens committed now, tokens it had before (0: its first)
         for row, request in enumerate(running):
+            if states[row].head is not None:  # the states after the last committed token and the accepted drafts
+                states[row].head.observe(states[row].length - 1, result.features[row, : result.num_accepted[row] + 1].float())
             self._record(request, gammas[row], num_drafts[row], result.num_accepted[row], step_stats)
             rows_before.append(len(request.tokens))
             self._commit(request, states[row], result.emitted[row], now)

@@ -37,7 +37,7 @@ SERVED_WEIGHTS = ("auto", "float32", "bfloat16", "gguf", "int8")  # specgate.mod
 @dataclass
 class ServerConfig:
     target: Any  # a model name / path for load_model, or a LoadedModel
-    draft: Any = "ngram"  # "none", "ngram", a draft model name / path, or a LoadedModel
+    draft: Any = "ngram"  # "none", "ngram", "default", "eagle:<dir>", a draft model name / path, or a LoadedModel
     host: str = "127.0.0.1"
     port: int = 8000  # 0 = any free port
     policy: str = "adaptive"
@@ -135,11 +135,15 @@ def build_engine(config: ServerConfig) -> Engine:
         from specgate.drafting import make_drafter
 
         draft = make_drafter("default", target, dtype=dtype).draft
+    elif isinstance(draft, str) and draft.startswith("eagle:"):  # an EAGLE head, checked against the target
+        from specgate.drafting import make_drafter
+
+        draft = make_drafter(draft, target).head
     elif isinstance(draft, str) and draft not in ("none", "ngram"):
         draft = load_model(draft, dtype=dtype)
     cost_model = None
     if config.policy == "adaptive":
-        cost_model = calibrate_cost_model(target.model, None if isinstance(draft, str) else draft.model, gamma_max=config.resolved_gamma())
+        cost_model = calibrate_cost_model(target.model, _draft_cost_model(draft), gamma_max=config.resolved_gamma())
     policy = make_policy(config.policy, gamma=config.resolved_gamma(), table=config.gamma_table, cost_model=cost_model)
     if isinstance(draft, str) and draft == "none" and config.policy != "off":
         policy = make_policy("off")  # nothing can draft: speculation is off whatever the policy says
@@ -154,6 +158,16 @@ def build_engine(config: ServerConfig) -> Engine:
         request_timeout_s=config.request_timeout_s, max_body_bytes=config.max_body_bytes,
     )
     return Engine(scheduler, metrics, model_name, app)
+
+
+def _draft_cost_model(draft: Any) -> Any:
+    """What calibrate_cost_model times as the draft pass: the draft CausalLM, the EAGLE head's step, or None (lookups)."""
+    from specgate.drafting.eagle import EagleHead
+    from specgate.drafting.eagle_drafter import HeadCostProxy
+
+    if isinstance(draft, str):
+        return None
+    return HeadCostProxy(draft) if isinstance(draft, EagleHead) else draft.model
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -1,0 +1,362 @@
+"""The EAGLE head as a drafter, on a tiny random Gemma-3: save / load against the right target only, the feature
+flow (prefill and verification -> HeadState), q, and exactness in every lane (generate, the scheduler's ragged
+batches, serve), greedy token for token and sampled by the lossless harness (engine.lossless_real).
+
+Most tests use an "echo" head, built by hand: its output feature is the target's own state (fc passes the feature
+through, the Block's residual branches are zeroed, its input norm undoes the final norm's scale), so it drafts
+the token the target's latest known state predicts, again and again. On a tiny model's repeating output those
+drafts are accepted, at each change of token they are rejected: acceptance is partial, and it is high only if
+the engine hands the head the right states at the right positions.
+"""
+
+import json
+import urllib.request
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_engine import uncertain_prefixes
+from test_serving_scheduler import make_prompts, reference_tokens, run_staggered
+
+from specgate.drafting import NoDrafter, eagle, make_drafter
+from specgate.drafting.eagle_drafter import EagleDrafter, HeadCostProxy, HeadState
+from specgate.engine import generate
+from specgate.engine.lossless_real import run_model_check
+from specgate.models import load_model
+from specgate.sampling import SamplingParams, logits_to_probs
+from specgate.serving import FixedPolicy, Request, Scheduler, TablePolicy
+
+GREEDY = SamplingParams(temperature=0.0)
+DRAFT_VOCAB = 384  # of the tiny model's 512: some of its outputs cannot be drafted, so some drafts must fail
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load_model(str(tiny_model_dir("gemma3")))
+
+
+def draft_map(vocab: int, size: int = DRAFT_VOCAB, seed: int = 0) -> torch.Tensor:
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:size]  # [V_d] distinct target ids, shuffled
+
+
+def echo_head(model, d2t: torch.Tensor | None = None) -> eagle.EagleHead:
+    """The head whose output is the target's state it read (module docstring)."""
+    d2t = draft_map(model.vocab_size) if d2t is None else d2t
+    torch.manual_seed(0)
+    head = eagle.EagleHead(eagle.EagleConfig.for_target(model.args, d2t.numel(), [eagle.FEATURE_FINAL_NORM])).attach_target(model, d2t)
+    hidden = model.args.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, hidden:] = torch.eye(hidden)  # x = input_norm(feature): the token's embedding is ignored
+        head.input_norm.weight.copy_(1 / (1 + head.final_norm.weight) - 1)  # final_norm(out) ∝ the feature
+        head.layer.self_attn.o_proj.weight.zero_()
+        head.layer.mlp.down_proj.weight.zero_()  # out = x
+    return head.eval()
+
+
+def random_head(model, seed: int = 0, layers=(eagle.FEATURE_FINAL_NORM,)) -> eagle.EagleHead:
+    """A head with every trainable weight drawn at random (none at its initial value), for the save / load checks."""
+    torch.manual_seed(seed)
+    d2t = draft_map(model.vocab_size, 96, seed)
+    head = eagle.EagleHead(eagle.EagleConfig.for_target(model.args, 96, layers)).attach_target(model, d2t)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape) * 0.2)
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def echo_dir(target, tmp_path_factory):
+    return eagle.save_head(echo_head(target.model), tmp_path_factory.mktemp("echo-head"), {"target": "tiny-gemma3"})
+
+
+def prompt_features(model, ids: torch.Tensor) -> torch.Tensor:
+    """The target's final-norm states at every position of ids [L] -> [L, H]."""
+    return eagle.target_features(model, ids[None], [eagle.FEATURE_FINAL_NORM])[0, :, 0]
+
+
+def assert_true_states(model, state: HeadState, committed: list[int]) -> None:
+    """The head state holds the target's own final-norm state at every position it knows, up to the one before the
+    newest committed token (whose state the next verification computes)."""
+    assert state.known == len(committed) - 1, (state.known, len(committed))
+    expected = prompt_features(model, torch.tensor(committed))[: state.known]
+    torch.testing.assert_close(state.features[: state.known], expected, rtol=1e-4, atol=1e-4)
+
+
+# --- save / load --------------------------------------------------------------------------------------------------
+
+
+def test_save_writes_bf16_trainable_weights_and_load_restores_them(target, tmp_path):
+    head = random_head(target.model)
+    metadata = {"target": "tiny-gemma3", "data": "random windows", "steps": 123, "gamma": 2, "limits": ["toy model", "no prose"],
+                "acceptance": {"code": {"conditional": [0.61, 0.52], "acceptance_length": 1.93}, "prose": {"conditional": [0.4], "acceptance_length": 1.4}}}
+    out = eagle.save_head(head, tmp_path / "head", metadata)
+    weights = load_file(str(out / eagle.HEAD_WEIGHTS_FILE))
+    assert set(weights) == {n for n, p in head.named_parameters() if p.requires_grad}  # the frozen parts are the target's
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16} and "final_norm.weight" not in weights
+    info = json.loads((out / eagle.HEAD_CONFIG_FILE).read_text())
+    assert info["metadata"]["steps"] == 123 and info["target_fingerprint"]["embedding_shape"] == [512, 64]
+    card = (out / eagle.MODEL_CARD_FILE).read_text()
+    for text in ("tiny-gemma3", "random windows", "| 123 |", "| code | 0.610 | 0.520 | 1.930 |", "| prose | 0.400 | - |", "- no prose", "eagle:THIS_DIR"):
+        assert text in card, text
+
+    loaded = eagle.load_head(out, target)
+    rounded = {n: p.detach().to(torch.bfloat16).float() for n, p in head.named_parameters() if p.requires_grad}
+    for name, param in loaded.named_parameters():
+        expected = rounded.get(name, head.final_norm.weight)
+        assert torch.equal(param.detach(), expected), name
+    assert torch.equal(loaded.d2t, head.d2t) and loaded.config == head.config
+    ids, feats = torch.randint(4, 512, (1, 6)), torch.randn(1, 6, 64)
+    positions = torch.arange(6)[None]
+    with torch.no_grad():
+        head.load_state_dict(rounded, strict=False)
+        expected_logits, _ = head.step(ids, feats, positions, head.new_cache(1, 8), torch.tensor([0]))
+    logits, _ = loaded.step(ids, feats, positions, loaded.new_cache(1, 8), torch.tensor([0]))
+    torch.testing.assert_close(logits, expected_logits)
+
+
+def test_loading_against_another_target_names_the_mismatch_and_the_fix(target, tiny_model_dir, echo_dir, tmp_path):
+    other_weights = load_model(str(tiny_model_dir("gemma3", seed=1)))  # same shapes, other values
+    with pytest.raises(ValueError, match=r"other embedding values .* use the target it was trained on \('tiny-gemma3'\)"):
+        eagle.load_head(echo_dir, other_weights)
+    other_vocab = load_model(str(tiny_model_dir("gemma3", vocab_size=640)))
+    with pytest.raises(ValueError, match=r"embedding \[vocab, hidden\] = \[512, 64\].* has \[640, 64\].*train a head"):
+        eagle.load_head(echo_dir, other_vocab)
+    assert eagle.load_head(echo_dir, load_model(str(tiny_model_dir("gemma3")), dtype=torch.bfloat16)) is not None  # a bf16 copy passes
+    with pytest.raises(ValueError, match="not a saved EAGLE head"):
+        eagle.load_head(tmp_path, target)
+    tampered = tmp_path / "tampered"
+    tampered.mkdir()
+    for file in echo_dir.iterdir():
+        (tampered / file.name).write_bytes(file.read_bytes())
+    d2t = load_file(str(tampered / "draft_vocab_map.safetensors"))["d2t"]
+    save_file({"d2t": d2t.flip(0).contiguous()}, str(tampered / "draft_vocab_map.safetensors"))
+    with pytest.raises(ValueError, match="sha256 differs"):
+        eagle.load_head(tampered, target)
+
+
+def test_a_training_checkpoint_exports_as_a_loadable_head_with_its_model_card(target, tmp_path):
+    from specgate.drafting.eagle_train import HeadData, HeadTrainConfig, export_head, train_head
+
+    head = random_head(target.model, seed=7)
+    ids = torch.randint(4, 512, (4, 12), generator=torch.Generator().manual_seed(8))
+    feats = eagle.target_features(target.model, ids, [eagle.FEATURE_FINAL_NORM])
+    run = tmp_path / "run"
+    train_head(head, HeadData(ids, feats, feats[:, :, 0].clone()), HeadTrainConfig(steps=2, batch_size=2, warmup_steps=1, bf16=False), run / "checkpoint.pt")
+    heldout = {"code": {"conditional": [0.5, 0.25], "acceptance_length": 1.625}, "prose": {"conditional": [0.3, 0.1], "acceptance_length": 1.33}}
+    (run / "metrics.json").write_text(json.dumps({"heldout": heldout, "train_positions": 48, "features": "final"}))
+    out = export_head(run, target.model, head.d2t, tmp_path / "export", "tiny-gemma3")
+    loaded = eagle.load_head(out, target)
+    for name, param in head.named_parameters():
+        if param.requires_grad:
+            assert torch.equal(dict(loaded.named_parameters())[name].detach(), param.detach().to(torch.bfloat16).float()), name
+    card = (out / eagle.MODEL_CARD_FILE).read_text()
+    assert "| code | 0.500 | 0.250 | 1.625 |" in card and "48 training positions" in card and "| 2 |" in card
+
+
+def test_a_head_on_features_the_runtime_does_not_give_is_refused(target):
+    with pytest.raises(ValueError, match="final-norm state only"):
+        EagleDrafter(random_head(target.model, layers=(0, eagle.FEATURE_FINAL_NORM)), target)
+
+
+# --- the drafter ----------------------------------------------------------------------------------------------------
+
+
+def test_a_proposal_is_the_heads_greedy_chain_on_the_target_features(target):
+    """EagleDrafter, fed the prompt's states as the engine feeds them (positions 0..L-2), drafts what
+    EagleHead.draft_greedy drafts by hand: context rows (h_j, x_{j+1}) for j < L-2, then the chain from (h_{L-2}, x_{L-1})."""
+    head = random_head(target.model, seed=4)
+    ids = torch.randint(4, 512, (9,), generator=torch.Generator().manual_seed(2))
+    feats = prompt_features(target.model, ids)  # [L, H]
+    drafter = EagleDrafter(head, target)
+    drafter.begin(ids, GREEDY, None, 20)
+    drafter.observe_features(0, feats[:-1])
+    proposal = drafter.propose(ids, 4)
+    cache, L = head.new_cache(1, 20), ids.numel()
+    with torch.no_grad():
+        projected = head.project_target(feats[None, :, None])  # [1, L, H]
+    head.step(ids[None, 1 : L - 1], projected[:, : L - 2], torch.arange(L - 2)[None], cache, torch.tensor([0]))
+    by_hand = head.draft_greedy(int(ids[-1]), projected[0, L - 2], L - 2, cache, 0, gamma=4)
+    assert proposal.tokens.tolist() == by_hand.tolist() and proposal.draft_probs is None and proposal.forward_passes == 4
+
+
+def test_rejected_drafts_need_no_undo(target):
+    """After a proposal whose drafts were rejected, the next one (the new states observed) equals a fresh drafter's."""
+    head = random_head(target.model, seed=5)
+    ids = torch.randint(4, 512, (14,), generator=torch.Generator().manual_seed(3))
+    feats = prompt_features(target.model, ids)
+    used = EagleDrafter(head, target)
+    used.begin(ids[:8], GREEDY, None, 24)
+    used.observe_features(0, feats[:7])
+    used.propose(ids[:8], 5)  # drafts at rows 7..10, then "rejected": the output went on as ids[8:11]
+    used.observe_features(7, feats[7:10])  # the verification's states: the last committed token + 2 accepted
+    fresh = EagleDrafter(head, target)
+    fresh.begin(ids[:11], GREEDY, None, 24)
+    fresh.observe_features(0, feats[:10])
+    assert used.propose(ids[:11], 4).tokens.tolist() == fresh.propose(ids[:11], 4).tokens.tolist()
+    with pytest.raises(ValueError, match="without gaps"):
+        used.observe_features(12, feats[12:13])
+
+
+def test_sampled_q_is_the_heads_processed_softmax_on_the_target_vocabulary(target):
+    head = random_head(target.model, seed=6)
+    params = SamplingParams(temperature=0.8, top_k=20)
+    ids = torch.randint(4, 512, (7,), generator=torch.Generator().manual_seed(4))
+    feats = prompt_features(target.model, ids)
+    drafter = EagleDrafter(head, target)
+    drafter.begin(ids, params, torch.Generator().manual_seed(0), 16)
+    drafter.observe_features(0, feats[:-1])
+    proposal = drafter.propose(ids, 3)
+    q = proposal.draft_probs  # [G, V_t]
+    assert q.shape == (3, 512)
+    torch.testing.assert_close(q.sum(-1), torch.ones(3))
+    outside = torch.ones(512, dtype=torch.bool)
+    outside[head.d2t] = False
+    assert float(q[:, outside].abs().max()) == 0.0  # zero outside the draft vocabulary: the residual covers it
+    assert all(float(q[i, token]) > 0 for i, token in enumerate(proposal.tokens.tolist()))
+    with torch.no_grad():  # the first draft's q by hand: the head's logits at row L-2, processed with the params
+        projected = head.project_target(feats[None, :-1, None])
+        logits, _ = head.step(ids[None, 1:], projected, torch.arange(6)[None], head.new_cache(1, 8), torch.tensor([0]))
+    expected = torch.zeros(512)
+    expected[head.d2t] = logits_to_probs(logits[0, -1], params)
+    torch.testing.assert_close(q[0], expected)
+
+
+def test_a_prompt_of_one_token_drafts_nothing_until_a_state_is_known(target):
+    drafter = EagleDrafter(echo_head(target.model), target)
+    drafter.begin(torch.tensor([1]), GREEDY, None, 8)
+    assert drafter.propose(torch.tensor([1]), 3).num_tokens == 0
+    with pytest.raises(RuntimeError, match="observe_features"):
+        drafter.propose(torch.tensor([1, 5, 6]), 3)  # the states of positions 0..1 were never passed
+
+
+def test_hidden_states_without_logits_equal_those_with_them(target):
+    """forward(logits=False, return_hidden=True) (prefill features) is forward(return_hidden=True)'s state, ragged."""
+    model = target.model
+    ids = torch.randint(4, 512, (2, 5))
+    positions = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, -1, -1]])
+    with torch.inference_mode():
+        alone = model.forward(ids, positions, model.new_cache(2, 5), torch.arange(2), logits=False, return_hidden=True)
+        _, with_logits = model.forward(ids, positions, model.new_cache(2, 5), torch.arange(2), return_hidden=True)
+    torch.testing.assert_close(alone[positions >= 0], with_logits[positions >= 0])
+    assert alone.shape == (2, 5, 64)
+
+
+# --- exactness: generate, the scheduler, serve ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_greedy_generate_with_the_head_equals_target_only(target, echo_dir, gamma):
+    generator = torch.Generator().manual_seed(0)
+    drafter = make_drafter(f"eagle:{echo_dir}", target)
+    draftable = set(drafter.head.d2t.tolist())
+    drafted = accepted = 0
+    for length in (4, 9, 14):
+        prompt = [1] + torch.randint(4, 512, (length,), generator=generator).tolist()
+        baseline = generate(prompt, target, NoDrafter(), 0, GREEDY, max_new_tokens=20)
+        result = generate(prompt, target, drafter, gamma, GREEDY, max_new_tokens=20)
+        assert result.tokens == baseline.tokens and result.text == baseline.text
+        assert result.stats.drafter == f"eagle:{echo_dir.name}" and result.stats.lossless
+        drafted, accepted = drafted + result.stats.drafted_tokens, accepted + result.stats.accepted_tokens
+        assert_true_states(target.model, drafter.state, prompt + result.tokens)
+        assert len(set(result.tokens)) == 1  # a tiny random model repeats one token (what the echo head relies on)
+        if result.tokens[0] in draftable:  # only the first step fails (it echoes the prompt); then every draft holds,
+            assert result.stats.rejections == 1, result.stats.to_dict()  # which needs the right state at each position
+        else:
+            assert result.stats.accepted_tokens == 0
+    assert 0 < accepted < drafted  # drafts both accepted and rejected: the verification path is exercised
+
+
+def test_scheduler_greedy_ragged_batch_with_the_head_equals_target_only(target, echo_dir):
+    """Requests of different lengths joining at different steps, fewer slots than requests, prompts prefilled in
+    chunks of 8 tokens (the states arrive chunk by chunk), a gamma that changes with the batch: every request's
+    tokens equal target-only greedy decoding, and several rows drafted in one batched head step."""
+    head = eagle.load_head(echo_dir, target)
+    prompts = make_prompts(5, seed=1)
+    max_tokens = [20, 28, 14, 24, 18]
+    policy = TablePolicy([(1, 1, 4), (2, 2, 2), (3, 3, 3)])
+    scheduler = Scheduler(target, draft=head, policy=policy, num_slots=3, max_seq_len=64, prefill_chunk_tokens=8)
+    scheduler.trace = []
+    requests = [Request(p, GREEDY, max_tokens=m, seed=i) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    step = scheduler.step
+
+    def step_and_check() -> bool:  # after every step, each decoding request's head holds the target's true states
+        busy = step()
+        for request in scheduler.running:
+            state = scheduler._state[request.request_id]
+            if state.prefilled >= request.prompt_len - 1 and request.tokens:
+                assert_true_states(target.model, state.head, request.prompt_ids.tolist() + request.tokens)
+        return busy
+
+    scheduler.step = step_and_check
+    run_staggered(scheduler, requests, join_after_steps=[0, 0, 1, 2, 3])
+    for request, prompt, budget in zip(requests, prompts, max_tokens):
+        assert request.finish_reason in ("length", "stop")
+        assert request.tokens == reference_tokens(target, prompt, budget), request.request_id
+    drafted = sum(r.stats.drafted_tokens for r in requests)
+    accepted = sum(r.stats.accepted_tokens for r in requests)
+    assert 0 < accepted < drafted and scheduler.draft_kind == "eagle"
+    assert any(sum(1 for d in step["rows_drafts"] if d) >= 2 for step in scheduler.trace), "no step drafted for several rows at once"
+    assert len(scheduler.free_slots) == 3 and not scheduler.running
+
+
+def test_scheduler_sampled_batch_with_the_head_matches_generate_with_the_same_seed(target, echo_dir):
+    """Per-request head states, generators and params in a mixed batch: each request draws what it draws alone."""
+    head = eagle.load_head(echo_dir, target)
+    params = [SamplingParams(temperature=0.8), GREEDY, SamplingParams(temperature=1.0, top_k=20)]
+    prompts = make_prompts(3, seed=4)
+    scheduler = Scheduler(target, draft=head, policy=FixedPolicy(3), num_slots=3, max_seq_len=64)
+    requests = [Request(p, sp, max_tokens=12, seed=50 + i) for i, (p, sp) in enumerate(zip(prompts, params))]
+    run_staggered(scheduler, requests, join_after_steps=[0, 1, 3])
+    for request, prompt in zip(requests, prompts):
+        alone = generate(prompt, target, EagleDrafter(head, target), 3, request.params, seed=request.seed, max_new_tokens=12)
+        assert request.tokens == alone.tokens, request.request_id
+    assert sum(r.stats.accepted_tokens for r in requests) > 0
+
+
+def test_eagle_sampling_is_lossless_on_a_tiny_gemma(target, echo_dir):
+    """The lossless harness (chi-square at fixed prefixes, Bonferroni, at significance 0.01) with the head's q; its
+    three negative controls (a wrong q, two lossy verifiers) must be caught on the same draws' setup."""
+    params = dict(temperature=1.0, top_k=20)
+    prefixes = uncertain_prefixes(target, SamplingParams(**params))
+    report = run_model_check(target, f"eagle:{echo_dir}", gamma=3, num_samples=10_000, seed=0, significance=0.01,
+                             prefixes=prefixes, **params)
+    failed = [c for c in report["cases"] if c["verdict"] != "pass"]
+    missed = [(c["name"], c["min_p_value"]) for c in report["negative_controls"] if c["verdict"] != "fail"]
+    assert report["verdict"] == "pass", (failed, missed)
+    assert len(report["cases"]) == 8 and len(report["negative_controls"]) == 3 and report["draft"].startswith("eagle:")
+
+
+def test_serve_with_the_head_calibrates_its_step_and_answers_exactly(target, echo_dir, tiny_model_dir):
+    """`specgate serve --draft eagle:DIR --policy adaptive`: the head's step is priced (HeadCostProxy), and a greedy
+    completion equals target-only generation."""
+    from specgate.serving.server import ServerConfig, start_server
+
+    handle = start_server(ServerConfig(target=str(tiny_model_dir("gemma3")), draft=f"eagle:{echo_dir}", port=0, policy="adaptive",
+                                       gamma=3, max_num_seqs=2, max_seq_len=64, dtype="float32"))
+    try:
+        scheduler = handle.engine.scheduler
+        assert scheduler.draft_kind == "eagle" and scheduler.policy.cost_model.draft_ms
+        body = json.dumps({"model": handle.engine.model_name, "prompt": "hello hello world", "max_tokens": 12, "temperature": 0}).encode()
+        request = urllib.request.Request(f"{handle.url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            text = json.loads(response.read())["choices"][0]["text"]
+    finally:
+        handle.stop()
+    assert text == generate("hello hello world", target, NoDrafter(), 0, GREEDY, max_new_tokens=12).text
+
+
+def test_the_cost_proxy_times_a_head_step(target):
+    from specgate.serving.policy import calibrate_cost_model
+
+    cost = calibrate_cost_model(target.model, HeadCostProxy(echo_head(target.model)), gamma_max=2, batch_sizes=(1, 2), context_len=8, repeats=1)
+    assert set(cost.draft_ms) == {1, 2} and all(ms > 0 for ms in cost.draft_ms.values())
+
+
+def test_head_state_refeeds_rows_whose_states_change():
+    state = HeadState(torch.zeros(8, 4))
+    state.observe(0, torch.ones(5, 4))
+    state.fed = 4
+    state.observe(3, torch.full((2, 4), 2.0))  # states rewritten from 3: rows from 3 on must be fed again
+    assert (state.known, state.fed) == (5, 3) and float(state.features[4, 0]) == 2.0
