@@ -113,20 +113,22 @@ def test_int8_rounding_matches_the_reference_and_keeps_non_finite_rows():
 
 
 @needs_int8
-def test_q8_0_r4_is_an_exact_rearrangement():
-    from specgate.models.quant import Q8_0_R4, unpack_q8_0_r4
+@pytest.mark.parametrize("kind", GGUF_KINDS, ids=lambda kind: KIND_NAMES[kind])
+def test_repacking_is_an_exact_rearrangement(kind):
+    from specgate.models.quant import REPACKED_KIND, unpack_q8_0_r4
 
-    plain = random_blocks(8, 36, 640, seed=5)
+    plain = random_blocks(kind, 36, 768, seed=5)
     packed = native.for_kernels(plain)
-    assert packed.parts[0].kind == Q8_0_R4 and packed.shape == plain.shape
-    assert torch.equal(unpack_q8_0_r4(packed.parts[0].data, 640), plain.parts[0].data)
-    assert torch.equal(packed.dequantize(), plain.dequantize())
+    assert packed.parts[0].kind == REPACKED_KIND[kind] and packed.shape == plain.shape
+    if kind == 8:
+        assert torch.equal(unpack_q8_0_r4(packed.parts[0].data, 768), plain.parts[0].data)
+    assert torch.equal(native.dequantize_rows(packed), plain.dequantize())  # the C unpacking of the layout: gguf's values
     ids = torch.tensor([35, 0, 6, 6, 17])
     assert torch.equal(native.dequantize_rows(packed, ids), plain.dequantize()[ids])
-    x = torch.randn(7, 640)
+    x = torch.randn(7, 768)
     assert torch.equal(native.skinny_product(x, packed), native.skinny_product(x, plain))  # the same sums, re-laid out
-    odd = random_blocks(8, 6, 640, seed=6)  # rows % 4 != 0: left as shipped
-    assert native.for_kernels(odd).parts[0].kind == 8
+    odd = random_blocks(kind, 6, 768, seed=6)  # rows % 4 != 0: left as shipped
+    assert native.for_kernels(odd).parts[0].kind == kind
 
 
 def rows_invariant(product, x: torch.Tensor) -> bool:
@@ -139,14 +141,15 @@ def rows_invariant(product, x: torch.Tensor) -> bool:
 
 
 def test_batch_invariance_holds_and_the_check_can_fail():
-    weight = native.for_kernels(QuantWeight.concat([random_blocks(6, 64, 640, 1), random_blocks(8, 32, 640, 2)]))
+    shipped = QuantWeight.concat([random_blocks(6, 64, 640, 1), random_blocks(8, 32, 640, 2)])
+    weight = native.for_kernels(shipped)
     x = torch.randn(16, 640, generator=torch.Generator().manual_seed(3))
     assert rows_invariant(lambda rows: native.skinny_product(rows.contiguous(), weight), x)
     wide = torch.randn(144, 640, generator=torch.Generator().manual_seed(4))  # a 16 x 9 verification batch
     together = native.skinny_product(wide, weight)
     assert all(torch.equal(native.skinny_product(wide[r : r + 1], weight)[0], together[r]) for r in (0, 5, 77, 143))
 
-    dense = weight.dequantize()
+    dense = shipped.dequantize()
 
     def row_count_dependent(rows: torch.Tensor) -> torch.Tensor:  # sums K in R-sized chunks: order depends on R
         chunks = rows.shape[0] + 1

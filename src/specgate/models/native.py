@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from specgate.models.cpu import cpu_flags
-from specgate.models.quant import Q8_0_R4, QuantPart, QuantWeight
+from specgate.models.quant import BLOCKS, REPACKED_KIND, QuantPart, QuantWeight
 
 SKINNY_MAX_ROWS = 20  # a float32 LM head (>= HEAD_ELEMENTS): faster than oneDNN at every row count up to 20 (83 vs 102 ms)
 LAYER_MAX_ROWS = 64  # a float32 layer weight: faster than oneDNN up to 64 rows (Gemma-3-270M's gate/up: 2.9 vs 3.3 ms)
@@ -159,6 +159,7 @@ def _library() -> ctypes.CDLL | None:
         "dequantize_rows": ([ptr, i32, i64, ptr, i64, ptr, i32], None),
         "int8_activations": ([ptr, i64, i64, ptr], None),
         "repack_q8_0_r4": ([ptr, i64, i64, ptr, i32], None),
+        "repack_r4": ([ptr, i32, i64, i64, ptr, i32], None),
         "kind_row_bytes": ([i32, i64], i64),
         "rms_norm": ([ptr] * 3 + [i64] * 2 + [ctypes.c_float], None),
         "read_sum": ([ptr, i64, i32, i64], ctypes.c_double),
@@ -316,16 +317,20 @@ def skinny_product(x: Tensor, weight: Tensor, library: ctypes.CDLL | None = None
 
 
 def for_kernels(weight: QuantWeight) -> QuantWeight:
-    """The weight as the products read it fastest here: where int8 activations are on, Q8_0 parts with rows % 4 == 0
-    and K % 64 == 0 rearranged (exactly) into Q8_0_R4, one sequential stream per 4 rows; otherwise unchanged."""
+    """The weight as the products read it fastest here: where int8 activations are on, parts with rows % 4 == 0 and
+    K % 64 == 0 rearranged (exactly) into one sequential stream per 4 rows with no decoding left for the kernel:
+    Q8_0 and Q5_0 keep their size, Q4_K and Q6_K grow 1.33x / 1.22x (float32 scales). Otherwise unchanged."""
     if not (available() and int8_activations()) or weight.in_features % 64:
         return weight
-    parts = []
+    parts, k = [], weight.in_features
     for part in weight.parts:
-        if part.kind == 8 and part.rows % 4 == 0:
-            packed = torch.empty_like(part.data)
-            _library().repack_q8_0_r4(part.data.data_ptr(), part.rows, weight.in_features, packed.data_ptr(), torch.get_num_threads())
-            part = QuantPart(Q8_0_R4, packed)
+        if part.rows % 4 == 0 and part.kind in REPACKED_KIND:
+            packed = torch.empty(part.rows, k // BLOCKS[REPACKED_KIND[part.kind]][0] * BLOCKS[REPACKED_KIND[part.kind]][1], dtype=torch.uint8)
+            if part.kind == 8:
+                _library().repack_q8_0_r4(part.data.data_ptr(), part.rows, k, packed.data_ptr(), torch.get_num_threads())
+            else:
+                _library().repack_r4(part.data.data_ptr(), part.kind, part.rows, k, packed.data_ptr(), torch.get_num_threads())
+            part = QuantPart(REPACKED_KIND[part.kind], packed)
         parts.append(part)
     return QuantWeight(tuple(parts), weight.in_features)
 

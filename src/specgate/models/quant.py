@@ -30,10 +30,14 @@ import torch
 from torch import Tensor
 
 # ggml type number -> (weights per block, bytes per block); the kinds the C kernels read
-BLOCKS = {8: (32, 34), 6: (32, 22), 12: (256, 144), 14: (256, 210), 108: (64, 68)}
-KIND_NAMES = {8: "Q8_0", 6: "Q5_0", 12: "Q4_K", 14: "Q6_K", 108: "Q8_0_R4"}
+BLOCKS = {8: (32, 34), 6: (32, 22), 12: (256, 144), 14: (256, 210), 108: (64, 68), 109: (64, 44), 110: (64, 48), 111: (64, 64)}
+KIND_NAMES = {8: "Q8_0", 6: "Q5_0", 12: "Q4_K", 14: "Q6_K", 108: "Q8_0_R4", 109: "Q5_R4", 110: "Q4K_R4", 111: "Q6K_R4"}
 GGUF_KINDS = (8, 6, 12, 14)  # the ggml types a GGUF may hold that the kernels read
-Q8_0_R4 = 108  # Q8_0 with 4 rows interleaved for the int8 kernels (specgate's own number; csrc/quant.c, unpack_q8_0_r4)
+# GGUF kinds rearranged at load for the int8 kernels, 4 rows interleaved (specgate's own numbers; the layouts are
+# described in csrc/quant.c): ggml kind -> its repacked kind
+REPACKED_KIND = {8: 108, 6: 109, 12: 110, 14: 111}
+Q8_0_R4 = 108  # unpack_q8_0_r4 inverts it
+REPACKED = tuple(REPACKED_KIND.values())
 QUANTIZED_FORMATS = ("gguf", "int8")  # --dtype values of quantized weights: the GGUF's own, or Q8_0 on load
 
 
@@ -75,7 +79,7 @@ class QuantWeight:
                                  f"(K % {per_block} == 0); got {part.data.dtype} {tuple(part.data.shape)}")
             if not part.data.is_contiguous():
                 raise ValueError("QuantPart data must be contiguous")
-            if (len(self.parts) > 1 or part.kind == Q8_0_R4) and part.rows % 4:
+            if (len(self.parts) > 1 or part.kind in REPACKED) and part.rows % 4:
                 raise ValueError(f"a fused QuantWeight's parts need rows % 4 == 0 (got {part.rows})")
 
     @property
@@ -106,9 +110,12 @@ class QuantWeight:
         return QuantWeight(tuple(parts), weights[0].in_features)
 
     def dequantize(self) -> Tensor:
-        """[N, K] float32 with gguf.quants' dequantization (the oracle for the kernels; numpy, no C)."""
+        """[N, K] float32 with gguf.quants' dequantization (the oracle for the kernels; numpy, no C). Q8_0_R4 is
+        unpacked first; the other repacked kinds exist only where the C kernels run and unpack there."""
         from gguf import GGMLQuantizationType, dequantize
 
+        if any(part.kind in REPACKED[1:] for part in self.parts):
+            raise ValueError("a Q5 / Q4_K / Q6_K part repacked for the kernels unpacks in C: use native.dequantize_rows")
         blocks = [dequantize(unpack_q8_0_r4(part.data, self.in_features).numpy() if part.kind == Q8_0_R4 else part.data.numpy(),
                              GGMLQuantizationType(8 if part.kind == Q8_0_R4 else part.kind)) for part in self.parts]
         return torch.from_numpy(np.concatenate(blocks).reshape(self.shape).astype(np.float32))
@@ -137,3 +144,4 @@ def unpack_q8_0_r4(data: Tensor, k: int) -> Tensor:
     quants = (blocks[..., :256].reshape(rows // 4, pairs, 4, 2, 32) ^ 0x80).permute(0, 2, 1, 3, 4)  # [N/4, 4, P, 2, 32]
     scales = blocks[..., 256:].reshape(rows // 4, pairs, 4, 2, 2).permute(0, 2, 1, 3, 4)  # [N/4, 4, P, 2, 2]
     return torch.cat([scales, quants], dim=-1).reshape(rows, k // 32 * 34).contiguous()
+

@@ -227,12 +227,14 @@ QKIND512(q6_k, group_q6_k, 0)
 #endif
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
 
-/* Two 32-blocks of one row of x as the int8 kernels read them (256 bytes, 64-byte aligned). */
+/* Two 32-blocks of one row of x as the int8 kernels read them (384 bytes, 64-byte aligned). */
 typedef struct {
     int8_t q[64];
     float dx[16];     /* lanes 0-7 block 2p's scale, 8-15 block 2p+1's */
-    int32_t corr[16]; /* -128 * (sum of the 4 q bytes lane k covers) */
-    float psum[16];   /* sum of the 4 q bytes lane k covers (Q4_K's min term) */
+    int32_t corr[16];   /* -128 * (sum of the 4 q bytes lane k covers): weights fed as q + 128 */
+    int32_t corr16[16]; /* -16 * that sum: Q5_R4's q + 16 */
+    int32_t corr32[16]; /* -32 * that sum: Q6K_R4's q + 32 */
+    float psum[16];     /* that sum (Q4_K's min term) */
 } ActPair;
 
 static VNNI void quantize_act_row(const float* x, int64_t K, ActPair* out) {
@@ -263,6 +265,8 @@ static VNNI void quantize_act_row(const float* x, int64_t K, ActPair* out) {
         _mm512_store_ps(a->dx, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(dx[0]), _mm512_set1_ps(dx[1])));
         const __m512i psum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), bytes);
         _mm512_store_si512((__m512i*)a->corr, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(psum, 7)));
+        _mm512_store_si512((__m512i*)a->corr16, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(psum, 4)));
+        _mm512_store_si512((__m512i*)a->corr32, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(psum, 5)));
         _mm512_store_ps(a->psum, _mm512_cvtepi32_ps(psum));
     }
 }
@@ -361,66 +365,202 @@ I8KIND(q5_0, 1, 0)
 I8KIND(q4_k, 0, 1)
 I8KIND(q6_k, 1, 0)
 
-/* Q8_0 repacked for the int8 kernels (KIND_Q8_0_R4, an exact rearrangement of a Q8_0 matrix with rows % 4 == 0
-   and K % 64 == 0): each 4-row block is one stream of K / 64 pairs of groups, each pair 4 x 64 bytes (row j's two
-   groups, q ^ 0x80) then its 8 fp16 scales (row j's pair at 2j, 2j+1). A thread then reads one sequential stream
-   instead of four row streams, and a pass needs one load and no decoding per 64 weights. */
-static inline VNNI __m512 r4_scales(const uint8_t* scales16, int j) {
+/* Weights repacked at load for the int8 kernels (rows % 4 == 0, K % 64 == 0; an exact rearrangement): each 4-row
+   block is one stream of K / 64 pairs of groups; in a pair, row j's 64 quants come as the kernel feeds them
+   (unsigned: q + 128, q + 16, q + 32 or Q4_K's own q, the offset taken back by the activation's corr), then the
+   pair's scales. A thread reads one sequential stream instead of four row streams, and decoding 64 weights
+   costs at most a few byte operations, not the per-group unpacking of the GGUF layouts.
+   - KIND_Q8_0_R4 (272 bytes a pair, Q8_0's size): 4 x 64 bytes q ^ 0x80; 8 fp16 scales (row j: 2j, 2j + 1).
+   - KIND_Q5_R4 (176, Q5_0's size): 4 x 32 bytes of nibbles (weight e's low nibble, weight e + 32's high), 4 x 8
+     bytes of fifth bits (bit e: weight e), 8 fp16 scales. q + 16 in 0..31.
+   - KIND_Q4K_R4 (192, 1.33x Q4_K): 4 x 32 bytes of nibbles (Q4_K's own), 8 float32 scales d x sc and 8 offsets
+     dmin x m (row j: 2j, 2j + 1).
+   - KIND_Q6K_R4 (256, 1.22x Q6_K): 4 x 32 bytes of nibbles, 4 x 16 bytes of the 2 high bits (byte k, bits 2L:
+     weight k + 16 L), 16 float32 scales d x sc per 16 weights (row j: 4j .. 4j + 3). q + 32 in 0..63.
+   Each scale is the product ggml's dequantization forms (exact in float32), so a weight is ggml's value. */
+static inline VNNI __m512 r4_pair_scales(__m512 all8, int j) {  /* [s_2j x 8, s_2j+1 x 8] */
     const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_set1_epi32(2 * j));
-    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)scales16))));
+    return _mm512_permutexvar_ps(idx, all8);
 }
 
-#define I8BLOCK_R4(RR)                                                                                    \
-static VNNI void i8r4_##RR(const ActPair* xa, int64_t pairs, const uint8_t* w, const float* bias,         \
-                           float* const* o, int64_t n) {                                                  \
+static inline VNNI __m512 scales_fp16(const uint8_t* at, int j) {
+    return r4_pair_scales(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)at))), j);
+}
+
+static inline VNNI __m512 scales_f32(const uint8_t* at, int j) {
+    return r4_pair_scales(_mm512_castps256_ps512(_mm256_loadu_ps((const float*)at)), j);
+}
+
+static inline VNNI __m512 scales_quarters(const uint8_t* at, int j) {  /* [s_4j x 4, .., s_4j+3 x 4] */
+    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_set1_epi32(4 * j));
+    return _mm512_permutexvar_ps(idx, _mm512_loadu_ps((const float*)at));
+}
+
+static inline VNNI __m512i nibbles64(const uint8_t* at) {  /* 32 bytes -> 64: low nibbles, then high nibbles */
+    const __m256i v = _mm256_loadu_si256((const __m256i*)at);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles(v)), high_nibbles(v), 1);
+}
+
+static inline VNNI __m512i u_q8(const uint8_t* b, int j) { return _mm512_loadu_si512((const void*)(b + 64 * j)); }
+
+static inline VNNI __m512i u_q5(const uint8_t* b, int j) {
+    uint64_t bits;
+    memcpy(&bits, b + 128 + 8 * j, sizeof bits);
+    return _mm512_or_si512(nibbles64(b + 32 * j), _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(0x10)));
+}
+
+static inline VNNI __m512i u_q4k(const uint8_t* b, int j) { return nibbles64(b + 32 * j); }
+
+static inline VNNI __m512i u_q6k(const uint8_t* b, int j) {
+    /* the 16 bytes in each 128-bit lane L; bits 2L, 2L + 1 moved to bits 4, 5 (16-bit shifts; the bits they carry
+       across a byte land outside 4..5 and are masked) */
+    const __m512i h = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(b + 128 + 16 * j)));
+    const __m512i left = _mm512_sllv_epi16(h, _mm512_set_epi64(0, 0, 0, 0, 0x0002000200020002, 0x0002000200020002, 0x0004000400040004, 0x0004000400040004));
+    const __m512i right = _mm512_srlv_epi16(h, _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0, 0, 0, 0, 0, 0));
+    const __m512i high = _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, left, right), _mm512_set1_epi8(0x30));
+    return _mm512_or_si512(nibbles64(b + 32 * j), high);
+}
+
+#define SC_Q8(b, j) scales_fp16(b + 256, j)
+#define SC_Q5(b, j) scales_fp16(b + 160, j)
+#define SC_Q4K(b, j) scales_f32(b + 128, j)
+#define SC_Q6K(b, j) scales_quarters(b + 192, j)
+
+/* RR rows of x times one 4-row block of a repacked kind: per pair and weight row, one decode, then per row of x
+   one vpdpbusd (started at the activation's correction CORR, or 0) and one FMA (plus Q4_K's offset). */
+#define R4BLOCK(NAME, RR, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET)                                        \
+static VNNI void NAME##_##RR(const ActPair* xa, int64_t pairs, const uint8_t* w, const float* bias,      \
+                             float* const* o, int64_t n) {                                                \
     __m512 acc[RR][4];                                                                                    \
     for (int i = 0; i < RR; ++i) for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();              \
     for (int64_t p = 0; p < pairs; ++p) {                                                                 \
-        const uint8_t* b = w + p * 272;                                                                   \
-        _mm_prefetch((const char*)(b + 4 * 272 * pairs * I8_PREFETCH_BLOCKS), _MM_HINT_T0);                 \
-        _mm_prefetch((const char*)(b + 4 * 272 * pairs * I8_PREFETCH_BLOCKS + 64), _MM_HINT_T0);            \
-        _mm_prefetch((const char*)(b + 4 * 272 * pairs * I8_PREFETCH_BLOCKS + 128), _MM_HINT_T0);           \
-        _mm_prefetch((const char*)(b + 4 * 272 * pairs * I8_PREFETCH_BLOCKS + 192), _MM_HINT_T0);           \
-        _mm_prefetch((const char*)(b + 4 * 272 * pairs * I8_PREFETCH_BLOCKS + 256), _MM_HINT_T0);           \
+        const uint8_t* b = w + p * PAIR_BYTES;                                                            \
+        for (int line = 0; line < PAIR_BYTES; line += 64)                                                 \
+            _mm_prefetch((const char*)(b + 4 * PAIR_BYTES * pairs * I8_PREFETCH_BLOCKS + line), _MM_HINT_T0); \
         for (int j = 0; j < 4; ++j) {                                                                     \
-            const __m512i u = _mm512_loadu_si512((const void*)(b + 64 * j));                              \
-            const __m512 scale = r4_scales(b + 256, j);                                                   \
+            const __m512i u = DECODE(b, j);                                                               \
+            const __m512 scale = SCALES(b, j);                                                            \
+            const __m512 off = OFFSET ? scales_f32(b + 160, j) : _mm512_setzero_ps();                     \
             for (int i = 0; i < RR; ++i) {                                                                \
                 const ActPair* a = xa + i * pairs + p;                                                    \
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512((const __m512i*)a->corr), u,    \
-                                                        _mm512_load_si512((const __m512i*)a->q));         \
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_load_ps(a->dx)), acc[i][j]); \
+                const __m512 dx = _mm512_load_ps(a->dx);                                                  \
+                const __m512i dot = _mm512_dpbusd_epi32(CORR, u, _mm512_load_si512((const __m512i*)a->q)); \
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, dx), acc[i][j]); \
+                if (OFFSET) acc[i][j] = _mm512_fnmadd_ps(_mm512_mul_ps(off, dx), _mm512_load_ps(a->psum), acc[i][j]); \
             }                                                                                             \
         }                                                                                                 \
     }                                                                                                     \
     for (int i = 0; i < RR; ++i) for (int j = 0; j < 4; ++j)                                              \
         o[i][n + j] = bias ? _mm512_reduce_add_ps(acc[i][j]) + bias[n + j] : _mm512_reduce_add_ps(acc[i][j]); \
 }
-I8BLOCK_R4(1) I8BLOCK_R4(2) I8BLOCK_R4(3) I8BLOCK_R4(4) I8BLOCK_R4(5) I8BLOCK_R4(6)
 
-static VNNI void i8range_q8_0_r4(const ActPair* XA, int64_t pairs, const uint8_t* W, int64_t row_bytes, const float* BIAS,
-                                 float* O, const int64_t* ROWS, int64_t R, int64_t K, int64_t N, int64_t N0, int64_t rows,
-                                 int64_t b_lo, int64_t b_hi) {
-    (void)K, (void)rows;
+typedef void R4Block(const ActPair*, int64_t, const uint8_t*, const float*, float* const*, int64_t);
+
+#define R4KIND(NAME, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET)                                             \
+R4BLOCK(NAME, 1, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET) R4BLOCK(NAME, 2, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET) \
+R4BLOCK(NAME, 3, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET) R4BLOCK(NAME, 4, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET) \
+R4BLOCK(NAME, 5, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET) R4BLOCK(NAME, 6, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET) \
+static R4Block* const NAME##_blocks[7] = {NULL, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6};
+R4KIND(r4q8, 272, u_q8, SC_Q8, _mm512_load_si512((const __m512i*)a->corr), 0)
+R4KIND(r4q5, 176, u_q5, SC_Q5, _mm512_load_si512((const __m512i*)a->corr16), 0)
+R4KIND(r4q4k, 192, u_q4k, SC_Q4K, _mm512_setzero_si512(), 1)
+R4KIND(r4q6k, 256, u_q6k, SC_Q6K, _mm512_load_si512((const __m512i*)a->corr32), 0)
+
+/* The 4-row blocks b_lo..b_hi-1 of a repacked part (whose first row is column N0 of O [rows, N]). */
+static VNNI void r4_range(R4Block* const* blocks, const ActPair* XA, int64_t pairs, const uint8_t* W, int64_t row_bytes,
+                          const float* BIAS, float* O, const int64_t* ROWS, int64_t R, int64_t N, int64_t N0,
+                          int64_t b_lo, int64_t b_hi) {
     for (int64_t b = b_lo; b < b_hi; ++b) {
-        const int64_t n = N0 + b * 4;
-        const uint8_t* w = W + b * 4 * row_bytes;
         for (int64_t r = 0; r < R; r += 6) {
             float* out[6];
-            void (*const block[7])(const ActPair*, int64_t, const uint8_t*, const float*, float* const*, int64_t) = {
-                NULL, i8r4_1, i8r4_2, i8r4_3, i8r4_4, i8r4_5, i8r4_6};
-            block[six_rows(out, O, ROWS, r, R, N)](XA + r * pairs, pairs, w, BIAS, out, n);
+            blocks[six_rows(out, O, ROWS, r, R, N)](XA + r * pairs, pairs, W + b * 4 * row_bytes, BIAS, out, N0 + b * 4);
         }
     }
 }
 
-/* Row j of a Q8_0_R4 4-row block's pair p as 64 floats (the embedding lookup and a prefill's chunks). */
-static void r4_row_pair(const uint8_t* block, int64_t p, int j, float* out) {
-    const uint8_t* b = block + p * 272;
-    for (int h = 0; h < 2; ++h) {
-        const float d = fp16(b + 256 + 4 * j + 2 * h);
-        for (int e = 0; e < 32; ++e) out[32 * h + e] = (float)(int8_t)(b[64 * j + 32 * h + e] ^ 0x80) * d;
+#define R4RANGE(NAME)                                                                                     \
+static VNNI void NAME##_range(const ActPair* XA, int64_t pairs, const uint8_t* W, int64_t row_bytes,     \
+                              const float* BIAS, float* O, const int64_t* ROWS, int64_t R, int64_t K,     \
+                              int64_t N, int64_t N0, int64_t rows, int64_t b_lo, int64_t b_hi) {          \
+    (void)K, (void)rows;                                                                                  \
+    r4_range(NAME##_blocks, XA, pairs, W, row_bytes, BIAS, O, ROWS, R, N, N0, b_lo, b_hi);                \
+}
+R4RANGE(r4q8)
+R4RANGE(r4q5)
+R4RANGE(r4q4k)
+R4RANGE(r4q6k)
+
+static int r4_pair_bytes(int kind) {
+    switch (kind) {
+        case KIND_Q8_0_R4: return 272;
+        case KIND_Q5_R4: return 176;
+        case KIND_Q4K_R4: return 192;
+        case KIND_Q6K_R4: return 256;
+        default: return 0;
     }
+}
+
+static float f32_at(const uint8_t* at) {
+    float v;
+    memcpy(&v, at, sizeof v);
+    return v;
+}
+
+/* Row j of a repacked 4-row block's pair p as 64 floats (the embedding lookup and a prefill's chunks). */
+static void r4_row_pair(int kind, const uint8_t* block, int64_t p, int j, float* out) {
+    const uint8_t* b = block + p * r4_pair_bytes(kind);
+    for (int e = 0; e < 64; ++e) {
+        const int nibble = e < 32 ? b[32 * j + e] & 0x0F : b[32 * j + e - 32] >> 4;
+        switch (kind) {
+            case KIND_Q8_0_R4: out[e] = (float)(int8_t)(b[64 * j + e] ^ 0x80) * fp16(b + 256 + 4 * j + 2 * (e / 32)); break;
+            case KIND_Q5_R4: out[e] = (float)((nibble | ((b[128 + 8 * j + e / 8] >> (e % 8)) & 1) << 4) - 16) * fp16(b + 160 + 4 * j + 2 * (e / 32)); break;
+            case KIND_Q4K_R4: out[e] = f32_at(b + 128 + 4 * (2 * j + e / 32)) * (float)nibble - f32_at(b + 160 + 4 * (2 * j + e / 32)); break;
+            default: out[e] = f32_at(b + 192 + 4 * (4 * j + e / 16)) * (float)((nibble | ((b[128 + 16 * j + e % 16] >> (2 * (e / 16))) & 3) << 4) - 32); break;
+        }
+    }
+}
+
+int64_t kind_row_bytes(int kind, int64_t K);
+
+/* Row j's pair p of a Q5_0 / Q4_K / Q6_K row into a repacked pair at d (the layouts above). */
+static void repack_row_pair(int kind, const uint8_t* row, int64_t p, int j, uint8_t* d) {
+    int8_t q[64];
+    float scales[4], offsets[2];
+    for (int h = 0; h < 2; ++h) {
+        const Group g = kind == KIND_Q5_0 ? group_q5_0(row, 2 * p + h) : kind == KIND_Q6_K ? group_q6_k(row, 2 * p + h) : group_q4_k(row, 2 * p + h);
+        _mm256_storeu_si256((__m256i*)(q + 32 * h), g.q);
+        scales[2 * h] = g.s_lo, scales[2 * h + 1] = g.s_hi, offsets[h] = g.off;
+    }
+    const int bias = kind == KIND_Q5_0 ? 16 : kind == KIND_Q6_K ? 32 : 0;
+    for (int e = 0; e < 32; ++e) d[32 * j + e] = (uint8_t)(((q[e] + bias) & 0x0F) | ((q[e + 32] + bias) & 0x0F) << 4);
+    if (kind == KIND_Q5_0) {
+        uint64_t bits = 0;
+        for (int e = 0; e < 64; ++e) bits |= (uint64_t)((q[e] + 16) >> 4 & 1) << e;
+        memcpy(d + 128 + 8 * j, &bits, sizeof bits);
+        for (int h = 0; h < 2; ++h) memcpy(d + 160 + 4 * j + 2 * h, row + (2 * p + h) * 22, 2);  /* the raw fp16 d */
+    } else if (kind == KIND_Q4_K) {
+        memcpy(d + 128 + 4 * 2 * j, (float[]){scales[0], scales[2]}, 8);
+        memcpy(d + 160 + 4 * 2 * j, offsets, 8);
+    } else {
+        for (int k = 0; k < 16; ++k) {
+            uint8_t v = 0;
+            for (int L = 0; L < 4; ++L) v |= (uint8_t)(((q[k + 16 * L] + 32) >> 4 & 3) << (2 * L));
+            d[128 + 16 * j + k] = v;
+        }
+        memcpy(d + 192 + 16 * j, scales, sizeof scales);
+    }
+}
+
+/* A Q5_0 / Q4_K / Q6_K matrix rearranged into its repacked kind ([rows, K / 64 * pair bytes / 4] bytes). */
+void repack_r4(const uint8_t* SRC, int kind, int64_t rows, int64_t K, uint8_t* DST, int threads) {
+    const int64_t row_bytes = kind_row_bytes(kind, K), pairs = K / 64;
+    const int packed = kind == KIND_Q5_0 ? KIND_Q5_R4 : kind == KIND_Q4_K ? KIND_Q4K_R4 : KIND_Q6K_R4;
+    const int64_t pair_bytes = r4_pair_bytes(packed);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t blk = 0; blk < rows / 4; ++blk)
+        for (int64_t p = 0; p < pairs; ++p)
+            for (int j = 0; j < 4; ++j)
+                repack_row_pair(kind, SRC + (blk * 4 + j) * row_bytes, p, j, DST + (blk * pairs + p) * pair_bytes);
 }
 
 /* A Q8_0 matrix [rows, K / 32 * 34] (rows % 4 == 0, K % 64 == 0) rearranged into Q8_0_R4, same size. */
@@ -450,7 +590,10 @@ static I8Range int8_range(int kind) {
         case KIND_Q5_0: return i8range_q5_0;
         case KIND_Q4_K: return i8range_q4_k;
         case KIND_Q6_K: return i8range_q6_k;
-        case KIND_Q8_0_R4: return i8range_q8_0_r4;
+        case KIND_Q8_0_R4: return r4q8_range;
+        case KIND_Q5_R4: return r4q5_range;
+        case KIND_Q4K_R4: return r4q4k_range;
+        case KIND_Q6K_R4: return r4q6k_range;
         default: return NULL;
     }
 }
@@ -487,6 +630,7 @@ int64_t kind_row_bytes(int kind, int64_t K) {
         case KIND_BF16: return 2 * K;
         case KIND_Q8_0: return K % 32 ? 0 : K / 32 * 34;
         case KIND_Q8_0_R4: return K % 64 ? 0 : K / 32 * 34;
+        case KIND_Q5_R4: case KIND_Q4K_R4: case KIND_Q6K_R4: return K % 64 ? 0 : K / 64 * r4_pair_bytes(kind) / 4;
         case KIND_Q5_0: return K % 32 ? 0 : K / 32 * 22;
         case KIND_Q4_K: return K % 256 ? 0 : K / 256 * 144;
         case KIND_Q6_K: return K % 256 ? 0 : K / 256 * 210;
@@ -517,8 +661,8 @@ void weight_part(const Weight* W, int wide, const float* X, const float* BIAS, f
         return;
     }
     int repacked = 0;
-    for (int p = 0; p < W->parts; ++p) repacked |= W->kind[p] == KIND_Q8_0_R4;
-    const ActPair* xa = (wide & WIDE_VNNI) || repacked ? thread_act(X, R, K) : NULL;  /* Q8_0_R4 exists only with VNNI */
+    for (int p = 0; p < W->parts; ++p) repacked |= W->kind[p] >= KIND_Q8_0_R4;
+    const ActPair* xa = (wide & WIDE_VNNI) || repacked ? thread_act(X, R, K) : NULL;  /* repacked kinds exist only with VNNI */
     int64_t blocks = 0;
     for (int p = 0; p < W->parts; ++p) blocks += (W->rows[p] + 3) / 4;
     const int64_t lo = blocks * t / T, hi = blocks * (t + 1) / T;
@@ -557,8 +701,8 @@ void dequantize_rows(const void* DATA, int kind, int64_t K, const int64_t* IDX, 
         const int64_t index = IDX ? IDX[r] : r;
         const uint8_t* row = (const uint8_t*)DATA + index * row_bytes;
         float* out = OUT + r * K;
-        if (kind == KIND_Q8_0_R4) {
-            for (int64_t p = 0; p < K / 64; ++p) r4_row_pair((const uint8_t*)DATA + (index / 4) * 4 * row_bytes, p, (int)(index % 4), out + 64 * p);
+        if (kind >= KIND_Q8_0_R4) {
+            for (int64_t p = 0; p < K / 64; ++p) r4_row_pair(kind, (const uint8_t*)DATA + (index / 4) * 4 * row_bytes, p, (int)(index % 4), out + 64 * p);
             continue;
         }
         for (int64_t g = 0; g < K / 32; ++g) {

@@ -24,7 +24,11 @@ enum {
     KIND_Q8_0 = 8,  /* K / 32 blocks of 34 bytes: fp16 scale, 32 int8 */
     KIND_Q4_K = 12, /* K / 256 blocks of 144 bytes: fp16 scale and min, 12 bytes of 6-bit sub-scales, 128 of nibbles */
     KIND_Q6_K = 14, /* K / 256 blocks of 210 bytes: 128 low nibbles, 64 of 2-bit highs, 16 int8 sub-scales, fp16 scale */
-    KIND_Q8_0_R4 = 108, /* Q8_0 rearranged for the int8 kernels, 4 rows interleaved (quant.c; specgate's own number) */
+    /* specgate's own numbers: GGUF kinds rearranged at load for the int8 kernels, 4 rows interleaved (quant.c) */
+    KIND_Q8_0_R4 = 108, /* Q8_0 (same size) */
+    KIND_Q5_R4 = 109,   /* Q5_0 (same size) */
+    KIND_Q4K_R4 = 110,  /* Q4_K (1.33x: float32 scales and offsets per 32) */
+    KIND_Q6K_R4 = 111,  /* Q6_K (1.22x: float32 scales per 16) */
 };
 
 /* The `wide` argument of the products (and Config.wide): bits of what the CPU has, decided by it alone (never by R). */
