@@ -40,6 +40,15 @@ def test_closed_loop_raises_a_failed_request():
         method.closed_loop(send, ["a"], concurrency=2, requests=4, max_tokens=1)
 
 
+def test_pooled_rates_weigh_each_request_by_its_time():
+    # 2 requests of equal length at 100 and 50 tok/s: 2 x T tokens in T/100 + T/50 seconds = 66.67 tok/s
+    assert method.pooled_tps([100.0, 50.0]) == pytest.approx(200 / 3)
+    ratio, low, high = method.pooled_ratio([100.0, 50.0, 80.0], [50.0, 50.0, 40.0], draws=500)
+    assert ratio == pytest.approx(method.pooled_tps([100.0, 50.0, 80.0]) / method.pooled_tps([50.0, 50.0, 40.0]))
+    assert 1.0 <= low <= ratio <= high <= 2.0  # per-request ratios 2, 1, 2: every resample lies in [1, 2]
+    assert method.pooled_ratio([60.0] * 4, [30.0] * 4, draws=100) == (2.0, 2.0, 2.0)
+
+
 def test_served_summary_takes_the_best_lane_of_each_engine_per_level():
     runs = {
         "llama.cpp": {1: [50.0, 60.0, 55.0], 4: [100.0]},

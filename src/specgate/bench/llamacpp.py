@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -276,17 +277,35 @@ def run_decode(gguf: Path, threads: int, tokens: int, rounds: int, gamma: int, p
     finally:
         stop(servers)
     summary = {lane: {"decode_tps": statistics.median(r["decode_tps"]), "e2e_tps": statistics.median(r["e2e_tps"]),
+                      "pooled_tps": pooled_tps(r["decode_tps"]),
                       "same_as_target_only": f"{sum(r['same_as_target_only'])}/{len(r['same_as_target_only'])}" if r["same_as_target_only"] else "-"}
                for lane, r in raw.items()}
     return {"summary": summary, "raw": raw, "forward_ms": forward_ms}
 
 
+def pooled_tps(rates: list[float]) -> float:
+    """Tokens over time across requests of equal length: the harmonic mean of their tok/s (a slow prompt weighs
+    what its time weighs, unlike a median across prompts of different kinds)."""
+    return len(rates) / sum(1.0 / r for r in rates)
+
+
+def pooled_ratio(ours: list[float], theirs: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """pooled_tps(ours) / pooled_tps(theirs) with a 95% bootstrap interval over the paired requests (same prompt
+    and round resampled for both lanes)."""
+    rng = random.Random(seed)
+    n = len(ours)
+    ratios = sorted(pooled_tps([ours[i] for i in idx]) / pooled_tps([theirs[i] for i in idx])
+                    for idx in ([rng.randrange(n) for _ in range(n)] for _ in range(draws)))
+    return pooled_tps(ours) / pooled_tps(theirs), ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
+
+
 def decode_lines(result: dict[str, Any]) -> list[str]:
-    summary, forward_ms = result["summary"], result["forward_ms"]
-    lines = ["| lane | decode tok/s | end-to-end tok/s | same output as target-only |", "|---|---|---|---|"]
-    lines += [f"| {lane} | {s['decode_tps']:.1f} | {s['e2e_tps']:.1f} | {s['same_as_target_only']} |" for lane, s in summary.items()]
-    lines.append(f"specgate / llama.cpp decode: target-only {summary['specgate']['decode_tps'] / summary['llama.cpp']['decode_tps']:.2f}x, "
-                 f"n-gram {summary['specgate ngram']['decode_tps'] / summary['llama.cpp ngram']['decode_tps']:.2f}x")
+    summary, forward_ms, raw = result["summary"], result["forward_ms"], result["raw"]
+    lines = ["| lane | decode tok/s (median) | pooled decode tok/s | end-to-end tok/s | same output as target-only |", "|---|---|---|---|---|"]
+    lines += [f"| {lane} | {s['decode_tps']:.1f} | {s['pooled_tps']:.1f} | {s['e2e_tps']:.1f} | {s['same_as_target_only']} |" for lane, s in summary.items()]
+    ratios = [(name, *pooled_ratio(raw[ours]["decode_tps"], raw[theirs]["decode_tps"]))
+              for name, ours, theirs in (("target-only", "specgate", "llama.cpp"), ("n-gram", "specgate ngram", "llama.cpp ngram"))]
+    lines.append("specgate / llama.cpp pooled decode: " + ", ".join(f"{name} {r:.2f}x [{lo:.2f}-{hi:.2f}]" for name, r, lo, hi in ratios))
     lines.append("specgate forward ms by tokens: " + ", ".join(f"{w}: {ms:.1f}" for w, ms in forward_ms.items())
                  + f" (5 / 1 = {forward_ms[5] / forward_ms[1]:.2f}x, 9 / 1 = {forward_ms[9] / forward_ms[1]:.2f}x)")
     return lines
