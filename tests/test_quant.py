@@ -126,7 +126,12 @@ def test_repacking_is_an_exact_rearrangement(kind):
     ids = torch.tensor([35, 0, 6, 6, 17])
     assert torch.equal(native.dequantize_rows(packed, ids), plain.dequantize()[ids])
     x = torch.randn(7, 768)
-    assert torch.equal(native.skinny_product(x, packed), native.skinny_product(x, plain))  # the same sums, re-laid out
+    ours, theirs = native.skinny_product(x, packed), native.skinny_product(x, plain)
+    if kind == 14:  # Q6K_R4 keeps the GGUF-layout kernel's sums, re-laid out
+        assert torch.equal(ours, theirs)
+    else:  # block-transposed: each 32-group's integer sum whole, then scaled: the same value up to float32 rounding
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5 * float(theirs.abs().max()))
+        assert not torch.allclose(ours, native.skinny_product(x * 1.01, plain), rtol=1e-5, atol=1e-5 * float(theirs.abs().max()))
     odd = random_blocks(kind, 6, 768, seed=6)  # rows % 4 != 0: left as shipped
     assert native.for_kernels(odd).parts[0].kind == kind
 

@@ -158,8 +158,7 @@ def _library() -> ctypes.CDLL | None:
         "weight_product": ([ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32], None),
         "dequantize_rows": ([ptr, i32, i64, ptr, i64, ptr, i32], None),
         "int8_activations": ([ptr, i64, i64, ptr], None),
-        "repack_q8_0_r4": ([ptr, i64, i64, ptr, i32], None),
-        "repack_r4": ([ptr, i32, i64, i64, ptr, i32], None),
+        "repack": ([ptr, i32, i64, i64, ptr, i32], None),
         "kind_row_bytes": ([i32, i64], i64),
         "rms_norm": ([ptr] * 3 + [i64] * 2 + [ctypes.c_float], None),
         "read_sum": ([ptr, i64, i32, i64], ctypes.c_double),
@@ -318,19 +317,18 @@ def skinny_product(x: Tensor, weight: Tensor, library: ctypes.CDLL | None = None
 
 def for_kernels(weight: QuantWeight) -> QuantWeight:
     """The weight as the products read it fastest here: where int8 activations are on, parts with rows % 4 == 0 and
-    K % 64 == 0 rearranged (exactly) into one sequential stream per 4 rows with no decoding left for the kernel:
-    Q8_0 and Q5_0 keep their size, Q4_K and Q6_K grow 1.33x / 1.22x (float32 scales). Otherwise unchanged."""
-    if not (available() and int8_activations()) or weight.in_features % 64:
+    K % 128 == 0 rearranged (exactly) into one sequential stream per 4 rows (csrc/quant.c): Q8_0 / Q5_0 / Q4_K
+    block-transposed so one integer lane sums a whole 32-group, Q6_K in pairs of groups. Q8_0 and Q5_0 keep their
+    size, Q4_K and Q6_K grow 1.33x / 1.22x (float32 scales). Otherwise unchanged."""
+    if not (available() and int8_activations()) or weight.in_features % 128:
         return weight
     parts, k = [], weight.in_features
     for part in weight.parts:
         if part.rows % 4 == 0 and part.kind in REPACKED_KIND:
-            packed = torch.empty(part.rows, k // BLOCKS[REPACKED_KIND[part.kind]][0] * BLOCKS[REPACKED_KIND[part.kind]][1], dtype=torch.uint8)
-            if part.kind == 8:
-                _library().repack_q8_0_r4(part.data.data_ptr(), part.rows, k, packed.data_ptr(), torch.get_num_threads())
-            else:
-                _library().repack_r4(part.data.data_ptr(), part.kind, part.rows, k, packed.data_ptr(), torch.get_num_threads())
-            part = QuantPart(REPACKED_KIND[part.kind], packed)
+            packed_kind = REPACKED_KIND[part.kind]
+            packed = torch.empty(part.rows, k // BLOCKS[packed_kind][0] * BLOCKS[packed_kind][1], dtype=torch.uint8)
+            _library().repack(part.data.data_ptr(), part.kind, part.rows, k, packed.data_ptr(), torch.get_num_threads())
+            part = QuantPart(packed_kind, packed)
         parts.append(part)
     return QuantWeight(tuple(parts), weight.in_features)
 

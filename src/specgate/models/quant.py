@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 # ggml type number -> (weights per block, bytes per block); the kinds the C kernels read
-BLOCKS = {8: (32, 34), 6: (32, 22), 12: (256, 144), 14: (256, 210), 108: (64, 68), 109: (64, 44), 110: (64, 48), 111: (64, 64)}
+BLOCKS = {8: (32, 34), 6: (32, 22), 12: (256, 144), 14: (256, 210), 108: (128, 136), 109: (128, 88), 110: (128, 96), 111: (64, 64)}
 KIND_NAMES = {8: "Q8_0", 6: "Q5_0", 12: "Q4_K", 14: "Q6_K", 108: "Q8_0_R4", 109: "Q5_R4", 110: "Q4K_R4", 111: "Q6K_R4"}
 GGUF_KINDS = (8, 6, 12, 14)  # the ggml types a GGUF may hold that the kernels read
 # GGUF kinds rearranged at load for the int8 kernels, 4 rows interleaved (specgate's own numbers; the layouts are
@@ -137,11 +137,13 @@ def quantize_q8_0(weight: Tensor) -> QuantWeight:
 
 
 def unpack_q8_0_r4(data: Tensor, k: int) -> Tensor:
-    """Q8_0_R4 rows [N, K / 32 * 34] back to Q8_0's (the inverse of csrc/quant.c's repack_q8_0_r4, in torch): per
-    4-row block and pair of groups, 4 x 64 quant bytes (q ^ 0x80) then 8 fp16 scales (row j's at 2j, 2j + 1)."""
-    rows, pairs = data.shape[0], k // 64
-    blocks = data.reshape(rows // 4, pairs, 272)  # [N/4, P, 272]
-    quants = (blocks[..., :256].reshape(rows // 4, pairs, 4, 2, 32) ^ 0x80).permute(0, 2, 1, 3, 4)  # [N/4, 4, P, 2, 32]
-    scales = blocks[..., 256:].reshape(rows // 4, pairs, 4, 2, 2).permute(0, 2, 1, 3, 4)  # [N/4, 4, P, 2, 2]
+    """Q8_0_R4 rows [N, K / 32 * 34] back to Q8_0's (the inverse of csrc/quant.c's repack, in torch): per 4-row
+    block, K / 128 steps of 8 vectors of 64 quant bytes (q ^ 0x80; vector s, lane 4 j + b: bytes 4 s .. 4 s + 3 of
+    row j's group b) then 16 fp16 scales (lane 4 j + b)."""
+    rows, steps = data.shape[0], k // 128
+    blocks = data.reshape(rows // 4, steps, 544)  # [N/4, T, 544]
+    quants = (blocks[..., :512].reshape(rows // 4, steps, 8, 4, 4, 4) ^ 0x80).permute(0, 3, 1, 4, 2, 5)  # [N/4, j, T, b, s, 4]
+    scales = blocks[..., 512:].reshape(rows // 4, steps, 4, 4, 2).permute(0, 2, 1, 3, 4)  # [N/4, j, T, b, 2]
+    quants = quants.reshape(rows // 4, 4, steps * 4, 32)
+    scales = scales.reshape(rows // 4, 4, steps * 4, 2)
     return torch.cat([scales, quants], dim=-1).reshape(rows, k // 32 * 34).contiguous()
-

@@ -227,12 +227,11 @@ QKIND512(q6_k, group_q6_k, 0)
 #endif
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
 
-/* Two 32-blocks of one row of x as the int8 kernels read them (384 bytes, 64-byte aligned). */
+/* Two 32-blocks of one row of x as the int8 kernels read them (320 bytes, 64-byte aligned). */
 typedef struct {
     int8_t q[64];
     float dx[16];     /* lanes 0-7 block 2p's scale, 8-15 block 2p+1's */
     int32_t corr[16];   /* -128 * (sum of the 4 q bytes lane k covers): weights fed as q + 128 */
-    int32_t corr16[16]; /* -16 * that sum: Q5_R4's q + 16 */
     int32_t corr32[16]; /* -32 * that sum: Q6K_R4's q + 32 */
     float psum[16];     /* that sum (Q4_K's min term) */
 } ActPair;
@@ -265,7 +264,6 @@ static VNNI void quantize_act_row(const float* x, int64_t K, ActPair* out) {
         _mm512_store_ps(a->dx, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(dx[0]), _mm512_set1_ps(dx[1])));
         const __m512i psum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), bytes);
         _mm512_store_si512((__m512i*)a->corr, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(psum, 7)));
-        _mm512_store_si512((__m512i*)a->corr16, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(psum, 4)));
         _mm512_store_si512((__m512i*)a->corr32, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(psum, 5)));
         _mm512_store_ps(a->psum, _mm512_cvtepi32_ps(psum));
     }
@@ -365,136 +363,225 @@ I8KIND(q5_0, 1, 0)
 I8KIND(q4_k, 0, 1)
 I8KIND(q6_k, 1, 0)
 
-/* Weights repacked at load for the int8 kernels (rows % 4 == 0, K % 64 == 0; an exact rearrangement): each 4-row
-   block is one stream of K / 64 pairs of groups; in a pair, row j's 64 quants come as the kernel feeds them
-   (unsigned: q + 128, q + 16, q + 32 or Q4_K's own q, the offset taken back by the activation's corr), then the
-   pair's scales. A thread reads one sequential stream instead of four row streams, and decoding 64 weights
-   costs at most a few byte operations, not the per-group unpacking of the GGUF layouts.
-   - KIND_Q8_0_R4 (272 bytes a pair, Q8_0's size): 4 x 64 bytes q ^ 0x80; 8 fp16 scales (row j: 2j, 2j + 1).
-   - KIND_Q5_R4 (176, Q5_0's size): 4 x 32 bytes of nibbles (weight e's low nibble, weight e + 32's high), 4 x 8
-     bytes of fifth bits (bit e: weight e), 8 fp16 scales. q + 16 in 0..31.
-   - KIND_Q4K_R4 (192, 1.33x Q4_K): 4 x 32 bytes of nibbles (Q4_K's own), 8 float32 scales d x sc and 8 offsets
-     dmin x m (row j: 2j, 2j + 1).
-   - KIND_Q6K_R4 (256, 1.22x Q6_K): 4 x 32 bytes of nibbles, 4 x 16 bytes of the 2 high bits (byte k, bits 2L:
-     weight k + 16 L), 16 float32 scales d x sc per 16 weights (row j: 4j .. 4j + 3). q + 32 in 0..63.
+/* Weights repacked at load for the int8 kernels (rows % 4 == 0, K % 128 == 0; exact rearrangements). Each 4-row
+   block becomes one sequential stream, read once for all rows of x.
+
+   Q8_0, Q5_0 and Q4_K (block-transposed, "T4"): the stream is K / 128 steps; a step holds 4 rows x 4 groups of 32
+   weights (16 groups) as 8 vectors of 64 bytes, vector s lane L = 4 j + b (row j, group b) carrying weights
+   4 s .. 4 s + 3 of that group, then the 16 groups' scales in lane order. One int32 lane then sums a whole group
+   in 8 vpdpbusd (exact, integer) before a single conversion and FMA with the group's scale x the activation's:
+   per row of x, 4 rows of W and 128 weights, 8 vpdpbusd + 3 float ops, against 8 + 24 when each vpdpbusd result
+   was scaled on its own. The activation side (ActT4) holds x's 4 groups the same way, replicated over j.
+   - KIND_Q8_0_R4 (544 bytes a step, Q8_0's size): 8 x 64 bytes q ^ 0x80; 16 fp16 scales.
+   - KIND_Q5_R4 (352, Q5_0's size): 4 x 64 bytes of nibbles (low: vector c, high: vector c + 4), 8 x 8 bytes of
+     fifth bits (vector s, bit e: byte e), 16 fp16 scales. q + 16 in 0..31.
+   - KIND_Q4K_R4 (384, 1.33x Q4_K): nibbles as Q5's, 16 float32 scales d x sc and 16 offsets dmin x m.
+   Q6_K scales every 16 weights, so it keeps a pair layout ("R4"): each 4-row block is K / 64 pairs of groups, row
+   j's 64 quants as q + 32 (4 x 32 bytes of nibbles, weight e's low nibble and weight e + 32's high; 4 x 16 bytes of
+   the 2 high bits, byte k bits 2L: weight k + 16 L), then 16 float32 scales d x sc per 16 weights (row j: 4j ..
+   4j + 3); 256 bytes a pair (KIND_Q6K_R4, 1.22x Q6_K).
    Each scale is the product ggml's dequantization forms (exact in float32), so a weight is ggml's value. */
-static inline VNNI __m512 r4_pair_scales(__m512 all8, int j) {  /* [s_2j x 8, s_2j+1 x 8] */
-    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_set1_epi32(2 * j));
-    return _mm512_permutexvar_ps(idx, all8);
+
+/* One row of x's 4 groups (128 values) as the T4 kernels read them (768 bytes, 64-byte aligned). */
+typedef struct {
+    int8_t q[8][64];    /* vector s lane L: x's bytes 4 s .. 4 s + 3 of group L % 4 */
+    float dx[16];       /* lane L: group L % 4's scale */
+    int32_t corr[16];   /* -128 x the group's sum of q: Q8_0 weights fed as q + 128 */
+    int32_t corr16[16]; /* -16 x it: Q5_0's q + 16 */
+    float psum[16];     /* the sum (Q4_K's offset term) */
+} ActT4;
+
+/* x's pairs 2t and 2t + 1 (groups 4t .. 4t + 3) as ActT4 steps (K % 128 == 0). */
+static VNNI void act_t4_row(const ActPair* a, int64_t steps, ActT4* out) {
+    for (int64_t t = 0; t < steps; ++t) {
+        const ActPair* lo = a + 2 * t;
+        const ActPair* hi = lo + 1;
+        const __m512i q_lo = _mm512_load_si512((const __m512i*)lo->q), q_hi = _mm512_load_si512((const __m512i*)hi->q);
+        __m512i sum = _mm512_setzero_si512();
+        for (int s = 0; s < 8; ++s) {  /* lane L takes dword 8 (L % 4) + s of the 128 bytes */
+            const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24), _mm512_set1_epi32(s));
+            const __m512i v = _mm512_permutex2var_epi32(q_lo, idx, q_hi);
+            _mm512_store_si512((__m512i*)out[t].q[s], v);
+            sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), v);
+        }
+        const __m512i four = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+        _mm512_store_ps(out[t].dx, _mm512_permutexvar_ps(four, _mm512_castps128_ps512(_mm_setr_ps(lo->dx[0], lo->dx[8], hi->dx[0], hi->dx[8]))));
+        _mm512_store_si512((__m512i*)out[t].corr, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
+        _mm512_store_si512((__m512i*)out[t].corr16, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 4)));
+        _mm512_store_ps(out[t].psum, _mm512_cvtepi32_ps(sum));
+    }
 }
 
-static inline VNNI __m512 scales_fp16(const uint8_t* at, int j) {
-    return r4_pair_scales(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)at))), j);
+static inline VNNI void t4_nibbles(const uint8_t* b, __m512i u[8]) {
+    for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512((const void*)(b + 64 * c));
+        u[c] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+        u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+    }
 }
 
-static inline VNNI __m512 scales_f32(const uint8_t* at, int j) {
-    return r4_pair_scales(_mm512_castps256_ps512(_mm256_loadu_ps((const float*)at)), j);
+static inline VNNI void t4_q8(const uint8_t* b, __m512i u[8]) {
+    for (int s = 0; s < 8; ++s) u[s] = _mm512_loadu_si512((const void*)(b + 64 * s));
 }
 
-static inline VNNI __m512 scales_quarters(const uint8_t* at, int j) {  /* [s_4j x 4, .., s_4j+3 x 4] */
-    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_set1_epi32(4 * j));
-    return _mm512_permutexvar_ps(idx, _mm512_loadu_ps((const float*)at));
+static inline VNNI void t4_q5(const uint8_t* b, __m512i u[8]) {
+    t4_nibbles(b, u);
+    for (int s = 0; s < 8; ++s) {
+        uint64_t bits;
+        memcpy(&bits, b + 256 + 8 * s, sizeof bits);
+        u[s] = _mm512_mask_add_epi8(u[s], (__mmask64)bits, u[s], _mm512_set1_epi8(0x10));
+    }
 }
 
-static inline VNNI __m512i nibbles64(const uint8_t* at) {  /* 32 bytes -> 64: low nibbles, then high nibbles */
-    const __m256i v = _mm256_loadu_si256((const __m256i*)at);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles(v)), high_nibbles(v), 1);
+#define T4_SC_FP16(b, at) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((b) + (at))))
+#define T4_SC_F32(b, at) _mm512_loadu_ps((const float*)((b) + (at)))
+
+/* RR rows of x times one 4-row block of a T4 kind, into O's columns n .. n + 3. Lane L of row i's accumulator sums
+   row L / 4's group L % 4 of every step; the four lanes of a row are added in one fixed order at the end. */
+#define T4BLOCK(NAME, RR, STEP_BYTES, DECODE, SCALES, CORR, OFFSET)                                       \
+static VNNI void NAME##_##RR(const ActT4* xa, int64_t steps, const uint8_t* w, const float* bias,        \
+                             float* const* o, int64_t n) {                                                \
+    __m512 acc[RR];                                                                                       \
+    for (int i = 0; i < RR; ++i) acc[i] = _mm512_setzero_ps();                                            \
+    for (int64_t t = 0; t < steps; ++t) {                                                                 \
+        const uint8_t* b = w + t * STEP_BYTES;                                                            \
+        for (int line = 0; line < STEP_BYTES; line += 64)                                                 \
+            _mm_prefetch((const char*)(b + STEP_BYTES * steps * T4_PREFETCH_BLOCKS + line), _MM_HINT_T1);  \
+        __m512i u[8];                                                                                     \
+        DECODE(b, u);                                                                                     \
+        const __m512 scale = SCALES(b);                                                                   \
+        for (int i = 0; i < RR; ++i) {                                                                    \
+            const ActT4* a = xa + i * steps + t;                                                          \
+            __m512i even = CORR(a), odd = _mm512_setzero_si512();      \
+            for (int s = 0; s < 8; s += 2) {                                                              \
+                even = _mm512_dpbusd_epi32(even, u[s], _mm512_load_si512((const __m512i*)a->q[s]));      \
+                odd = _mm512_dpbusd_epi32(odd, u[s + 1], _mm512_load_si512((const __m512i*)a->q[s + 1])); \
+            }                                                                                             \
+            const __m512 dx = _mm512_load_ps(a->dx);                                                      \
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even, odd)), _mm512_mul_ps(scale, dx), acc[i]); \
+            if (OFFSET) acc[i] = _mm512_fnmadd_ps(_mm512_mul_ps(T4_SC_F32(b, 320), dx), _mm512_load_ps(a->psum), acc[i]); \
+        }                                                                                                 \
+    }                                                                                                     \
+    for (int i = 0; i < RR; ++i) {                                                                        \
+        float lanes[16];                                                                                  \
+        _mm512_storeu_ps(lanes, acc[i]);                                                                  \
+        for (int j = 0; j < 4; ++j) {                                                                     \
+            const float sum = (lanes[4 * j] + lanes[4 * j + 1]) + (lanes[4 * j + 2] + lanes[4 * j + 3]);  \
+            o[i][n + j] = bias ? sum + bias[n + j] : sum;                                                 \
+        }                                                                                                 \
+    }                                                                                                     \
 }
 
-static inline VNNI __m512i u_q8(const uint8_t* b, int j) { return _mm512_loadu_si512((const void*)(b + 64 * j)); }
+#ifndef T4_PREFETCH_BLOCKS
+#define T4_PREFETCH_BLOCKS 16
+#endif
+#define T4_ROWS 12 /* rows of x per pass over a block: a verification of up to 12 tokens reads W once */
+typedef void T4Block(const ActT4*, int64_t, const uint8_t*, const float*, float* const*, int64_t);
 
-static inline VNNI __m512i u_q5(const uint8_t* b, int j) {
-    uint64_t bits;
-    memcpy(&bits, b + 128 + 8 * j, sizeof bits);
-    return _mm512_or_si512(nibbles64(b + 32 * j), _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(0x10)));
-}
+#define T4KIND(NAME, STEP_BYTES, DECODE, SCALES, CORR, OFFSET)                                             \
+T4BLOCK(NAME, 1, STEP_BYTES, DECODE, SCALES, CORR, OFFSET) T4BLOCK(NAME, 2, STEP_BYTES, DECODE, SCALES, CORR, OFFSET)  \
+T4BLOCK(NAME, 3, STEP_BYTES, DECODE, SCALES, CORR, OFFSET) T4BLOCK(NAME, 4, STEP_BYTES, DECODE, SCALES, CORR, OFFSET)  \
+T4BLOCK(NAME, 5, STEP_BYTES, DECODE, SCALES, CORR, OFFSET) T4BLOCK(NAME, 6, STEP_BYTES, DECODE, SCALES, CORR, OFFSET)  \
+T4BLOCK(NAME, 7, STEP_BYTES, DECODE, SCALES, CORR, OFFSET) T4BLOCK(NAME, 8, STEP_BYTES, DECODE, SCALES, CORR, OFFSET)  \
+T4BLOCK(NAME, 9, STEP_BYTES, DECODE, SCALES, CORR, OFFSET) T4BLOCK(NAME, 10, STEP_BYTES, DECODE, SCALES, CORR, OFFSET) \
+T4BLOCK(NAME, 11, STEP_BYTES, DECODE, SCALES, CORR, OFFSET) T4BLOCK(NAME, 12, STEP_BYTES, DECODE, SCALES, CORR, OFFSET) \
+static T4Block* const NAME##_blocks[T4_ROWS + 1] = {NULL, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, \
+    NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12};
+#define SC_T4Q8(b) T4_SC_FP16(b, 512)
+#define SC_T4Q5(b) T4_SC_FP16(b, 320)
+#define SC_T4Q4K(b) T4_SC_F32(b, 256)
+#define START_CORR(a) _mm512_load_si512((const __m512i*)(a)->corr)
+#define START_CORR16(a) _mm512_load_si512((const __m512i*)(a)->corr16)
+#define START_ZERO(a) _mm512_setzero_si512()
+T4KIND(t4q8, 544, t4_q8, SC_T4Q8, START_CORR, 0)
+T4KIND(t4q5, 352, t4_q5, SC_T4Q5, START_CORR16, 0)
+T4KIND(t4q4k, 384, t4_nibbles, SC_T4Q4K, START_ZERO, 1)  /* Q4_K's q is unsigned: no correction */
 
-static inline VNNI __m512i u_q4k(const uint8_t* b, int j) { return nibbles64(b + 32 * j); }
-
+/* Q6K_R4: per pair and weight row one decode, then per row of x one vpdpbusd (started at -32 x its sums) and one
+   FMA. */
 static inline VNNI __m512i u_q6k(const uint8_t* b, int j) {
     /* the 16 bytes in each 128-bit lane L; bits 2L, 2L + 1 moved to bits 4, 5 (16-bit shifts; the bits they carry
        across a byte land outside 4..5 and are masked) */
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 32 * j));
+    const __m512i nibbles = _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles(v)), high_nibbles(v), 1);
     const __m512i h = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(b + 128 + 16 * j)));
     const __m512i left = _mm512_sllv_epi16(h, _mm512_set_epi64(0, 0, 0, 0, 0x0002000200020002, 0x0002000200020002, 0x0004000400040004, 0x0004000400040004));
     const __m512i right = _mm512_srlv_epi16(h, _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0, 0, 0, 0, 0, 0));
     const __m512i high = _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, left, right), _mm512_set1_epi8(0x30));
-    return _mm512_or_si512(nibbles64(b + 32 * j), high);
+    return _mm512_or_si512(nibbles, high);
 }
 
-#define SC_Q8(b, j) scales_fp16(b + 256, j)
-#define SC_Q5(b, j) scales_fp16(b + 160, j)
-#define SC_Q4K(b, j) scales_f32(b + 128, j)
-#define SC_Q6K(b, j) scales_quarters(b + 192, j)
-
-/* RR rows of x times one 4-row block of a repacked kind: per pair and weight row, one decode, then per row of x
-   one vpdpbusd (started at the activation's correction CORR, or 0) and one FMA (plus Q4_K's offset). */
-#define R4BLOCK(NAME, RR, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET)                                        \
-static VNNI void NAME##_##RR(const ActPair* xa, int64_t pairs, const uint8_t* w, const float* bias,      \
-                             float* const* o, int64_t n) {                                                \
+#define R4BLOCK(RR)                                                                                       \
+static VNNI void r4q6k_##RR(const ActPair* xa, int64_t pairs, const uint8_t* w, const float* bias,       \
+                            float* const* o, int64_t n) {                                                 \
     __m512 acc[RR][4];                                                                                    \
     for (int i = 0; i < RR; ++i) for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();              \
     for (int64_t p = 0; p < pairs; ++p) {                                                                 \
-        const uint8_t* b = w + p * PAIR_BYTES;                                                            \
-        for (int line = 0; line < PAIR_BYTES; line += 64)                                                 \
-            _mm_prefetch((const char*)(b + 4 * PAIR_BYTES * pairs * I8_PREFETCH_BLOCKS + line), _MM_HINT_T0); \
+        const uint8_t* b = w + p * 256;                                                                   \
+        for (int line = 0; line < 256; line += 64)                                                        \
+            _mm_prefetch((const char*)(b + 4 * 256 * pairs * I8_PREFETCH_BLOCKS + line), _MM_HINT_T0);    \
         for (int j = 0; j < 4; ++j) {                                                                     \
-            const __m512i u = DECODE(b, j);                                                               \
-            const __m512 scale = SCALES(b, j);                                                            \
-            const __m512 off = OFFSET ? scales_f32(b + 160, j) : _mm512_setzero_ps();                     \
+            const __m512i u = u_q6k(b, j);                                                                \
+            const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_set1_epi32(4 * j)); \
+            const __m512 scale = _mm512_permutexvar_ps(idx, _mm512_loadu_ps((const float*)(b + 192)));    \
             for (int i = 0; i < RR; ++i) {                                                                \
                 const ActPair* a = xa + i * pairs + p;                                                    \
-                const __m512 dx = _mm512_load_ps(a->dx);                                                  \
-                const __m512i dot = _mm512_dpbusd_epi32(CORR, u, _mm512_load_si512((const __m512i*)a->q)); \
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, dx), acc[i][j]); \
-                if (OFFSET) acc[i][j] = _mm512_fnmadd_ps(_mm512_mul_ps(off, dx), _mm512_load_ps(a->psum), acc[i][j]); \
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512((const __m512i*)a->corr32), u,  \
+                                                        _mm512_load_si512((const __m512i*)a->q));         \
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_load_ps(a->dx)), acc[i][j]); \
             }                                                                                             \
         }                                                                                                 \
     }                                                                                                     \
     for (int i = 0; i < RR; ++i) for (int j = 0; j < 4; ++j)                                              \
         o[i][n + j] = bias ? _mm512_reduce_add_ps(acc[i][j]) + bias[n + j] : _mm512_reduce_add_ps(acc[i][j]); \
 }
-
 typedef void R4Block(const ActPair*, int64_t, const uint8_t*, const float*, float* const*, int64_t);
+R4BLOCK(1) R4BLOCK(2) R4BLOCK(3) R4BLOCK(4) R4BLOCK(5) R4BLOCK(6)
+static R4Block* const r4q6k_blocks[7] = {NULL, r4q6k_1, r4q6k_2, r4q6k_3, r4q6k_4, r4q6k_5, r4q6k_6};
 
-#define R4KIND(NAME, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET)                                             \
-R4BLOCK(NAME, 1, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET) R4BLOCK(NAME, 2, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET) \
-R4BLOCK(NAME, 3, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET) R4BLOCK(NAME, 4, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET) \
-R4BLOCK(NAME, 5, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET) R4BLOCK(NAME, 6, PAIR_BYTES, DECODE, SCALES, CORR, OFFSET) \
-static R4Block* const NAME##_blocks[7] = {NULL, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6};
-R4KIND(r4q8, 272, u_q8, SC_Q8, _mm512_load_si512((const __m512i*)a->corr), 0)
-R4KIND(r4q5, 176, u_q5, SC_Q5, _mm512_load_si512((const __m512i*)a->corr16), 0)
-R4KIND(r4q4k, 192, u_q4k, SC_Q4K, _mm512_setzero_si512(), 1)
-R4KIND(r4q6k, 256, u_q6k, SC_Q6K, _mm512_load_si512((const __m512i*)a->corr32), 0)
+/* x quantized for the int8 kernels: per row, K / 64 ActPairs and (K % 128 == 0) K / 128 ActT4 steps. */
+typedef struct {
+    const ActPair* pairs;
+    const ActT4* t4;
+} Acts;
 
 /* The 4-row blocks b_lo..b_hi-1 of a repacked part (whose first row is column N0 of O [rows, N]). */
-static VNNI void r4_range(R4Block* const* blocks, const ActPair* XA, int64_t pairs, const uint8_t* W, int64_t row_bytes,
-                          const float* BIAS, float* O, const int64_t* ROWS, int64_t R, int64_t N, int64_t N0,
-                          int64_t b_lo, int64_t b_hi) {
+#define T4RANGE(NAME)                                                                                     \
+static VNNI void NAME##_range(const Acts* XA, int64_t pairs, const uint8_t* W, int64_t row_bytes,        \
+                              const float* BIAS, float* O, const int64_t* ROWS, int64_t R, int64_t K,     \
+                              int64_t N, int64_t N0, int64_t rows, int64_t b_lo, int64_t b_hi) {          \
+    (void)K, (void)rows;                                                                                  \
+    for (int64_t b = b_lo; b < b_hi; ++b) {                                                               \
+        for (int64_t r = 0; r < R; r += T4_ROWS) {                                                        \
+            float* out[T4_ROWS];                                                                          \
+            const int count = R - r >= T4_ROWS ? T4_ROWS : (int)(R - r);                                  \
+            for (int i = 0; i < count; ++i) out[i] = O + (ROWS ? ROWS[r + i] : r + i) * N;                \
+            NAME##_blocks[count](XA->t4 + r * (pairs / 2), pairs / 2, W + b * 4 * row_bytes, BIAS, out, N0 + b * 4); \
+        }                                                                                                 \
+    }                                                                                                     \
+}
+T4RANGE(t4q8)
+T4RANGE(t4q5)
+T4RANGE(t4q4k)
+
+static VNNI void r4q6k_range(const Acts* XA, int64_t pairs, const uint8_t* W, int64_t row_bytes, const float* BIAS,
+                             float* O, const int64_t* ROWS, int64_t R, int64_t K, int64_t N, int64_t N0, int64_t rows,
+                             int64_t b_lo, int64_t b_hi) {
+    (void)K, (void)rows;
     for (int64_t b = b_lo; b < b_hi; ++b) {
         for (int64_t r = 0; r < R; r += 6) {
             float* out[6];
-            blocks[six_rows(out, O, ROWS, r, R, N)](XA + r * pairs, pairs, W + b * 4 * row_bytes, BIAS, out, N0 + b * 4);
+            r4q6k_blocks[six_rows(out, O, ROWS, r, R, N)](XA->pairs + r * pairs, pairs, W + b * 4 * row_bytes, BIAS, out, N0 + b * 4);
         }
     }
 }
 
-#define R4RANGE(NAME)                                                                                     \
-static VNNI void NAME##_range(const ActPair* XA, int64_t pairs, const uint8_t* W, int64_t row_bytes,     \
-                              const float* BIAS, float* O, const int64_t* ROWS, int64_t R, int64_t K,     \
-                              int64_t N, int64_t N0, int64_t rows, int64_t b_lo, int64_t b_hi) {          \
-    (void)K, (void)rows;                                                                                  \
-    r4_range(NAME##_blocks, XA, pairs, W, row_bytes, BIAS, O, ROWS, R, N, N0, b_lo, b_hi);                \
-}
-R4RANGE(r4q8)
-R4RANGE(r4q5)
-R4RANGE(r4q4k)
-R4RANGE(r4q6k)
-
-static int r4_pair_bytes(int kind) {
+/* Bytes of a repacked kind's 4-row unit (a T4 step of 128 weights, a Q6K_R4 pair of 64). */
+static int64_t repacked_unit_bytes(int kind) {
     switch (kind) {
-        case KIND_Q8_0_R4: return 272;
-        case KIND_Q5_R4: return 176;
-        case KIND_Q4K_R4: return 192;
+        case KIND_Q8_0_R4: return 544;
+        case KIND_Q5_R4: return 352;
+        case KIND_Q4K_R4: return 384;
         case KIND_Q6K_R4: return 256;
         default: return 0;
     }
@@ -506,118 +593,151 @@ static float f32_at(const uint8_t* at) {
     return v;
 }
 
-/* Row j of a repacked 4-row block's pair p as 64 floats (the embedding lookup and a prefill's chunks). */
-static void r4_row_pair(int kind, const uint8_t* block, int64_t p, int j, float* out) {
-    const uint8_t* b = block + p * r4_pair_bytes(kind);
-    for (int e = 0; e < 64; ++e) {
-        const int nibble = e < 32 ? b[32 * j + e] & 0x0F : b[32 * j + e - 32] >> 4;
+/* Row j of a repacked 4-row block's unit u as floats (128 for T4, 64 for Q6K_R4): the embedding lookup and a
+   prefill's chunks. */
+static void repacked_row_unit(int kind, const uint8_t* block, int64_t unit, int j, float* out) {
+    const uint8_t* b = block + unit * repacked_unit_bytes(kind);
+    if (kind == KIND_Q6K_R4) {
+        for (int e = 0; e < 64; ++e) {
+            const int nibble = e < 32 ? b[32 * j + e] & 0x0F : b[32 * j + e - 32] >> 4;
+            out[e] = f32_at(b + 192 + 4 * (4 * j + e / 16)) * (float)((nibble | ((b[128 + 16 * j + e % 16] >> (2 * (e / 16))) & 3) << 4) - 32);
+        }
+        return;
+    }
+    for (int e = 0; e < 128; ++e) {
+        const int lane = 4 * j + e / 32, s = e % 32 / 4, at = 4 * lane + e % 4;  /* vector s, byte at */
+        const int nibble = (b[64 * (s % 4) + at] >> (s >= 4 ? 4 : 0)) & 0x0F;
         switch (kind) {
-            case KIND_Q8_0_R4: out[e] = (float)(int8_t)(b[64 * j + e] ^ 0x80) * fp16(b + 256 + 4 * j + 2 * (e / 32)); break;
-            case KIND_Q5_R4: out[e] = (float)((nibble | ((b[128 + 8 * j + e / 8] >> (e % 8)) & 1) << 4) - 16) * fp16(b + 160 + 4 * j + 2 * (e / 32)); break;
-            case KIND_Q4K_R4: out[e] = f32_at(b + 128 + 4 * (2 * j + e / 32)) * (float)nibble - f32_at(b + 160 + 4 * (2 * j + e / 32)); break;
-            default: out[e] = f32_at(b + 192 + 4 * (4 * j + e / 16)) * (float)((nibble | ((b[128 + 16 * j + e % 16] >> (2 * (e / 16))) & 3) << 4) - 32); break;
+            case KIND_Q8_0_R4: out[e] = (float)(int8_t)(b[64 * s + at] ^ 0x80) * fp16(b + 512 + 2 * lane); break;
+            case KIND_Q5_R4: out[e] = (float)((nibble | ((b[256 + 8 * s + at / 8] >> (at % 8)) & 1) << 4) - 16) * fp16(b + 320 + 2 * lane); break;
+            default: out[e] = f32_at(b + 256 + 4 * lane) * (float)nibble - f32_at(b + 320 + 4 * lane); break;
         }
     }
 }
 
 int64_t kind_row_bytes(int kind, int64_t K);
 
-/* Row j's pair p of a Q5_0 / Q4_K / Q6_K row into a repacked pair at d (the layouts above). */
-static void repack_row_pair(int kind, const uint8_t* row, int64_t p, int j, uint8_t* d) {
-    int8_t q[64];
-    float scales[4], offsets[2];
-    for (int h = 0; h < 2; ++h) {
-        const Group g = kind == KIND_Q5_0 ? group_q5_0(row, 2 * p + h) : kind == KIND_Q6_K ? group_q6_k(row, 2 * p + h) : group_q4_k(row, 2 * p + h);
-        _mm256_storeu_si256((__m256i*)(q + 32 * h), g.q);
-        scales[2 * h] = g.s_lo, scales[2 * h + 1] = g.s_hi, offsets[h] = g.off;
-    }
-    const int bias = kind == KIND_Q5_0 ? 16 : kind == KIND_Q6_K ? 32 : 0;
-    for (int e = 0; e < 32; ++e) d[32 * j + e] = (uint8_t)(((q[e] + bias) & 0x0F) | ((q[e + 32] + bias) & 0x0F) << 4);
-    if (kind == KIND_Q5_0) {
-        uint64_t bits = 0;
-        for (int e = 0; e < 64; ++e) bits |= (uint64_t)((q[e] + 16) >> 4 & 1) << e;
-        memcpy(d + 128 + 8 * j, &bits, sizeof bits);
-        for (int h = 0; h < 2; ++h) memcpy(d + 160 + 4 * j + 2 * h, row + (2 * p + h) * 22, 2);  /* the raw fp16 d */
-    } else if (kind == KIND_Q4_K) {
-        memcpy(d + 128 + 4 * 2 * j, (float[]){scales[0], scales[2]}, 8);
-        memcpy(d + 160 + 4 * 2 * j, offsets, 8);
-    } else {
-        for (int k = 0; k < 16; ++k) {
-            uint8_t v = 0;
-            for (int L = 0; L < 4; ++L) v |= (uint8_t)(((q[k + 16 * L] + 32) >> 4 & 3) << (2 * L));
-            d[128 + 16 * j + k] = v;
-        }
-        memcpy(d + 192 + 16 * j, scales, sizeof scales);
-    }
-}
-
-/* A Q5_0 / Q4_K / Q6_K matrix rearranged into its repacked kind ([rows, K / 64 * pair bytes / 4] bytes). */
-void repack_r4(const uint8_t* SRC, int kind, int64_t rows, int64_t K, uint8_t* DST, int threads) {
-    const int64_t row_bytes = kind_row_bytes(kind, K), pairs = K / 64;
-    const int packed = kind == KIND_Q5_0 ? KIND_Q5_R4 : kind == KIND_Q4_K ? KIND_Q4K_R4 : KIND_Q6K_R4;
-    const int64_t pair_bytes = r4_pair_bytes(packed);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t blk = 0; blk < rows / 4; ++blk)
-        for (int64_t p = 0; p < pairs; ++p)
-            for (int j = 0; j < 4; ++j)
-                repack_row_pair(kind, SRC + (blk * 4 + j) * row_bytes, p, j, DST + (blk * pairs + p) * pair_bytes);
-}
-
-/* A Q8_0 matrix [rows, K / 32 * 34] (rows % 4 == 0, K % 64 == 0) rearranged into Q8_0_R4, same size. */
-void repack_q8_0_r4(const uint8_t* SRC, int64_t rows, int64_t K, uint8_t* DST, int threads) {
-    const int64_t row_bytes = K / 32 * 34, pairs = K / 64;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t blk = 0; blk < rows / 4; ++blk) {
-        for (int64_t p = 0; p < pairs; ++p) {
-            uint8_t* d = DST + blk * 4 * row_bytes + p * 272;
-            for (int j = 0; j < 4; ++j) {
-                const uint8_t* s = SRC + (blk * 4 + j) * row_bytes + p * 68;
-                for (int h = 0; h < 2; ++h) {
-                    memcpy(d + 256 + 4 * j + 2 * h, s + 34 * h, 2);
-                    for (int e = 0; e < 32; ++e) d[64 * j + 32 * h + e] = s[34 * h + 2 + e] ^ 0x80;
+/* Step t of 4 rows (ROW: the block's first row, row_bytes apart) of a Q8_0 / Q5_0 / Q4_K matrix into T4 at d. */
+static void repack_t4_step(int kind, const uint8_t* row, int64_t row_bytes, int64_t t, uint8_t* d) {
+    for (int j = 0; j < 4; ++j) {
+        for (int g = 0; g < 4; ++g) {
+            const uint8_t* r = row + j * row_bytes;
+            const int64_t group = 4 * t + g;
+            const Group q = kind == KIND_Q8_0 ? group_q8_0(r, group) : kind == KIND_Q5_0 ? group_q5_0(r, group) : group_q4_k(r, group);
+            int8_t v[32];
+            _mm256_storeu_si256((__m256i*)v, q.q);
+            const int lane = 4 * j + g;
+            for (int m = 0; m < 32; ++m) {
+                const int s = m / 4, at = 4 * lane + m % 4;
+                if (kind == KIND_Q8_0) {
+                    d[64 * s + at] = (uint8_t)v[m] ^ 0x80;
+                    continue;
                 }
+                const int u = kind == KIND_Q5_0 ? v[m] + 16 : v[m];
+                d[64 * (s % 4) + at] |= (uint8_t)((u & 0x0F) << (s >= 4 ? 4 : 0));
+                if (kind == KIND_Q5_0) d[256 + 8 * s + at / 8] |= (uint8_t)((u >> 4 & 1) << (at % 8));
+            }
+            if (kind == KIND_Q8_0) memcpy(d + 512 + 2 * lane, r + group * 34, 2);  /* the raw fp16 d */
+            else if (kind == KIND_Q5_0) memcpy(d + 320 + 2 * lane, r + group * 22, 2);
+            else {
+                memcpy(d + 256 + 4 * lane, &q.s_lo, 4);
+                memcpy(d + 320 + 4 * lane, &q.off, 4);
             }
         }
     }
 }
 
-typedef void (*I8Range)(const ActPair*, int64_t, const uint8_t*, int64_t, const float*, float*, const int64_t*, int64_t,
+/* Pair p of a Q6_K row j into a Q6K_R4 pair at d. */
+static void repack_q6k_pair(const uint8_t* row, int64_t p, int j, uint8_t* d) {
+    int8_t q[64];
+    float scales[4];
+    for (int h = 0; h < 2; ++h) {
+        const Group g = group_q6_k(row, 2 * p + h);
+        _mm256_storeu_si256((__m256i*)(q + 32 * h), g.q);
+        scales[2 * h] = g.s_lo, scales[2 * h + 1] = g.s_hi;
+    }
+    for (int e = 0; e < 32; ++e) d[32 * j + e] = (uint8_t)(((q[e] + 32) & 0x0F) | ((q[e + 32] + 32) & 0x0F) << 4);
+    for (int k = 0; k < 16; ++k) {
+        uint8_t v = 0;
+        for (int L = 0; L < 4; ++L) v |= (uint8_t)(((q[k + 16 * L] + 32) >> 4 & 3) << (2 * L));
+        d[128 + 16 * j + k] = v;
+    }
+    memcpy(d + 192 + 16 * j, scales, sizeof scales);
+}
+
+/* A Q8_0 / Q5_0 / Q4_K / Q6_K matrix [rows, K] (rows % 4 == 0, K % 128 == 0) rearranged into its repacked kind
+   ([rows, kind_row_bytes(repacked kind, K)] bytes). */
+void repack(const uint8_t* SRC, int kind, int64_t rows, int64_t K, uint8_t* DST, int threads) {
+    const int64_t row_bytes = kind_row_bytes(kind, K);
+    const int packed = kind == KIND_Q8_0 ? KIND_Q8_0_R4 : kind == KIND_Q5_0 ? KIND_Q5_R4 : kind == KIND_Q4_K ? KIND_Q4K_R4 : KIND_Q6K_R4;
+    const int64_t unit = repacked_unit_bytes(packed), units = packed == KIND_Q6K_R4 ? K / 64 : K / 128;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t blk = 0; blk < rows / 4; ++blk) {
+        uint8_t* d = DST + blk * units * unit;
+        memset(d, 0, (size_t)(units * unit));
+        for (int64_t u = 0; u < units; ++u) {
+            if (packed == KIND_Q6K_R4) {
+                for (int j = 0; j < 4; ++j) repack_q6k_pair(SRC + (blk * 4 + j) * row_bytes, u, j, d + u * unit);
+            } else {
+                repack_t4_step(kind, SRC + blk * 4 * row_bytes, row_bytes, u, d + u * unit);
+            }
+        }
+    }
+}
+
+typedef void (*I8Range)(const Acts*, int64_t, const uint8_t*, int64_t, const float*, float*, const int64_t*, int64_t,
                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+#define GGUF_RANGE(KIND)                                                                                  \
+static VNNI void gguf_##KIND(const Acts* XA, int64_t pairs, const uint8_t* W, int64_t row_bytes, const float* BIAS,  \
+                             float* O, const int64_t* ROWS, int64_t R, int64_t K, int64_t N, int64_t N0,  \
+                             int64_t rows, int64_t b_lo, int64_t b_hi) {                                  \
+    i8range_##KIND(XA->pairs, pairs, W, row_bytes, BIAS, O, ROWS, R, K, N, N0, rows, b_lo, b_hi);         \
+}
+GGUF_RANGE(q8_0)
+GGUF_RANGE(q5_0)
+GGUF_RANGE(q4_k)
+GGUF_RANGE(q6_k)
 
 static I8Range int8_range(int kind) {
     switch (kind) {
-        case KIND_Q8_0: return i8range_q8_0;
-        case KIND_Q5_0: return i8range_q5_0;
-        case KIND_Q4_K: return i8range_q4_k;
-        case KIND_Q6_K: return i8range_q6_k;
-        case KIND_Q8_0_R4: return r4q8_range;
-        case KIND_Q5_R4: return r4q5_range;
-        case KIND_Q4K_R4: return r4q4k_range;
+        case KIND_Q8_0: return gguf_q8_0;
+        case KIND_Q5_0: return gguf_q5_0;
+        case KIND_Q4_K: return gguf_q4_k;
+        case KIND_Q6_K: return gguf_q6_k;
+        case KIND_Q8_0_R4: return t4q8_range;
+        case KIND_Q5_R4: return t4q5_range;
+        case KIND_Q4K_R4: return t4q4k_range;
         case KIND_Q6K_R4: return r4q6k_range;
         default: return NULL;
     }
 }
 
 /* This thread's quantized copy of X [R, K] (each thread quantizes all R rows itself: no barrier, and a row's
-   bytes never depend on the split). The buffer grows as needed and is kept for the thread's next call. */
-static ActPair* thread_act(const float* X, int64_t R, int64_t K) {
+   bytes never depend on the split). The buffers grow as needed and are kept for the thread's next call. */
+static Acts thread_act(const float* X, int64_t R, int64_t K) {
     static __thread ActPair* buffer = NULL;
+    static __thread ActT4* steps_buffer = NULL;
     static __thread int64_t capacity = 0;
     const int64_t pairs = (K + 63) / 64, need = R * pairs;
     if (need > capacity) {
         free(buffer);
+        free(steps_buffer);
         buffer = aligned_alloc(64, (size_t)need * sizeof(ActPair));
-        capacity = buffer ? need : 0;
-        if (!buffer) return NULL;
+        steps_buffer = aligned_alloc(64, (size_t)(need / 2 + 1) * sizeof(ActT4));
+        capacity = buffer && steps_buffer ? need : 0;
+        if (!capacity) return (Acts){NULL, NULL};
     }
     for (int64_t r = 0; r < R; ++r) quantize_act_row(X + r * K, K, buffer + r * pairs);
-    return buffer;
+    if (K % 128 == 0)
+        for (int64_t r = 0; r < R; ++r) act_t4_row(buffer + r * pairs, K / 128, steps_buffer + r * (K / 128));
+    return (Acts){buffer, K % 128 == 0 ? steps_buffer : NULL};
 }
 
 /* OUT [R, (K + 63) / 64 * 64] = X's rows as the int8 kernels see them (q * dx per element): for the tests. */
 void int8_activations(const float* X, int64_t R, int64_t K, float* OUT) {
     const int64_t pairs = (K + 63) / 64;
-    const ActPair* a = thread_act(X, R, K);
+    const ActPair* a = thread_act(X, R, K).pairs;
     for (int64_t r = 0; r < R; ++r)
         for (int64_t p = 0; p < pairs; ++p)
             for (int e = 0; e < 64; ++e) OUT[(r * pairs + p) * 64 + e] = (float)a[r * pairs + p].q[e] * a[r * pairs + p].dx[e / 32 * 8];
@@ -629,8 +749,8 @@ int64_t kind_row_bytes(int kind, int64_t K) {
         case KIND_F32: return 4 * K;
         case KIND_BF16: return 2 * K;
         case KIND_Q8_0: return K % 32 ? 0 : K / 32 * 34;
-        case KIND_Q8_0_R4: return K % 64 ? 0 : K / 32 * 34;
-        case KIND_Q5_R4: case KIND_Q4K_R4: case KIND_Q6K_R4: return K % 64 ? 0 : K / 64 * r4_pair_bytes(kind) / 4;
+        case KIND_Q8_0_R4: case KIND_Q5_R4: case KIND_Q4K_R4: return K % 128 ? 0 : K / 128 * repacked_unit_bytes(kind) / 4;
+        case KIND_Q6K_R4: return K % 64 ? 0 : K / 64 * repacked_unit_bytes(kind) / 4;
         case KIND_Q5_0: return K % 32 ? 0 : K / 32 * 22;
         case KIND_Q4_K: return K % 256 ? 0 : K / 256 * 144;
         case KIND_Q6_K: return K % 256 ? 0 : K / 256 * 210;
@@ -662,7 +782,7 @@ void weight_part(const Weight* W, int wide, const float* X, const float* BIAS, f
     }
     int repacked = 0;
     for (int p = 0; p < W->parts; ++p) repacked |= W->kind[p] >= KIND_Q8_0_R4;
-    const ActPair* xa = (wide & WIDE_VNNI) || repacked ? thread_act(X, R, K) : NULL;  /* repacked kinds exist only with VNNI */
+    const Acts acts = (wide & WIDE_VNNI) || repacked ? thread_act(X, R, K) : (Acts){NULL, NULL};  /* repacked kinds exist only with VNNI */
     int64_t blocks = 0;
     for (int p = 0; p < W->parts; ++p) blocks += (W->rows[p] + 3) / 4;
     const int64_t lo = blocks * t / T, hi = blocks * (t + 1) / T;
@@ -670,9 +790,9 @@ void weight_part(const Weight* W, int wide, const float* X, const float* BIAS, f
     for (int p = 0; p < W->parts; ++p) {
         const int64_t count = (W->rows[p] + 3) / 4;
         const int64_t b_lo = lo > first ? lo - first : 0, b_hi = hi < first + count ? hi - first : count;
-        if (b_lo < b_hi && xa) {
+        if (b_lo < b_hi && acts.pairs) {
             const I8Range range = int8_range(W->kind[p]);
-            if (range) range(xa, (K + 63) / 64, (const uint8_t*)W->data[p], kind_row_bytes(W->kind[p], K), BIAS, O, ROWS,
+            if (range) range(&acts, (K + 63) / 64, (const uint8_t*)W->data[p], kind_row_bytes(W->kind[p], K), BIAS, O, ROWS,
                              R, K, N, n0, W->rows[p], b_lo, b_hi);
         } else if (b_lo < b_hi) {
             const QRange range = quant_range(W->kind[p], wide & WIDE_AVX512);
@@ -702,7 +822,9 @@ void dequantize_rows(const void* DATA, int kind, int64_t K, const int64_t* IDX, 
         const uint8_t* row = (const uint8_t*)DATA + index * row_bytes;
         float* out = OUT + r * K;
         if (kind >= KIND_Q8_0_R4) {
-            for (int64_t p = 0; p < K / 64; ++p) r4_row_pair(kind, (const uint8_t*)DATA + (index / 4) * 4 * row_bytes, p, (int)(index % 4), out + 64 * p);
+            const int64_t width = kind == KIND_Q6K_R4 ? 64 : 128;
+            for (int64_t u = 0; u < K / width; ++u)
+                repacked_row_unit(kind, (const uint8_t*)DATA + (index / 4) * 4 * row_bytes, u, (int)(index % 4), out + width * u);
             continue;
         }
         for (int64_t g = 0; g < K / 32; ++g) {
