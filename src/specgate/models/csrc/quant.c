@@ -382,13 +382,14 @@ I8KIND(q6_k, 1, 0)
    4j + 3); 256 bytes a pair (KIND_Q6K_R4, 1.22x Q6_K).
    Each scale is the product ggml's dequantization forms (exact in float32), so a weight is ggml's value. */
 
-/* One row of x's 4 groups (128 values) as the T4 kernels read them (768 bytes, 64-byte aligned). */
+/* One row of x's 4 groups (128 values) as the T4 kernels read them (192 bytes, 64-byte aligned); each 16-byte
+   field is broadcast to the four 128-bit lanes (one per weight row j) as it is loaded. */
 typedef struct {
-    int8_t q[8][64];    /* vector s lane L: x's bytes 4 s .. 4 s + 3 of group L % 4 */
-    float dx[16];       /* lane L: group L % 4's scale */
-    int32_t corr[16];   /* -128 x the group's sum of q: Q8_0 weights fed as q + 128 */
-    int32_t corr16[16]; /* -16 x it: Q5_0's q + 16 */
-    float psum[16];     /* the sum (Q4_K's offset term) */
+    int8_t q[8][16];    /* vector s, dword g: x's bytes 4 s .. 4 s + 3 of group g */
+    float dx[4];        /* group g's scale */
+    int32_t corr[4];    /* -128 x the group's sum of q: Q8_0 weights fed as q + 128 */
+    int32_t corr16[4];  /* -16 x it: Q5_0's q + 16 */
+    float psum[4];      /* the sum (Q4_K's offset term) */
 } ActT4;
 
 /* x's pairs 2t and 2t + 1 (groups 4t .. 4t + 3) as ActT4 steps (K % 128 == 0). */
@@ -397,18 +398,17 @@ static VNNI void act_t4_row(const ActPair* a, int64_t steps, ActT4* out) {
         const ActPair* lo = a + 2 * t;
         const ActPair* hi = lo + 1;
         const __m512i q_lo = _mm512_load_si512((const __m512i*)lo->q), q_hi = _mm512_load_si512((const __m512i*)hi->q);
-        __m512i sum = _mm512_setzero_si512();
-        for (int s = 0; s < 8; ++s) {  /* lane L takes dword 8 (L % 4) + s of the 128 bytes */
-            const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24), _mm512_set1_epi32(s));
-            const __m512i v = _mm512_permutex2var_epi32(q_lo, idx, q_hi);
-            _mm512_store_si512((__m512i*)out[t].q[s], v);
-            sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), v);
+        __m128i sum = _mm_setzero_si128();
+        for (int s = 0; s < 8; ++s) {  /* dword g takes dword 8 g + s of the 128 bytes */
+            const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 8, 16, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_set1_epi32(s));
+            const __m128i v = _mm512_castsi512_si128(_mm512_permutex2var_epi32(q_lo, idx, q_hi));
+            _mm_store_si128((__m128i*)out[t].q[s], v);
+            sum = _mm_dpbusd_epi32(sum, _mm_set1_epi8(1), v);
         }
-        const __m512i four = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
-        _mm512_store_ps(out[t].dx, _mm512_permutexvar_ps(four, _mm512_castps128_ps512(_mm_setr_ps(lo->dx[0], lo->dx[8], hi->dx[0], hi->dx[8]))));
-        _mm512_store_si512((__m512i*)out[t].corr, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
-        _mm512_store_si512((__m512i*)out[t].corr16, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 4)));
-        _mm512_store_ps(out[t].psum, _mm512_cvtepi32_ps(sum));
+        _mm_store_ps(out[t].dx, _mm_setr_ps(lo->dx[0], lo->dx[8], hi->dx[0], hi->dx[8]));
+        _mm_store_si128((__m128i*)out[t].corr, _mm_sub_epi32(_mm_setzero_si128(), _mm_slli_epi32(sum, 7)));
+        _mm_store_si128((__m128i*)out[t].corr16, _mm_sub_epi32(_mm_setzero_si128(), _mm_slli_epi32(sum, 4)));
+        _mm_store_ps(out[t].psum, _mm_cvtepi32_ps(sum));
     }
 }
 
@@ -454,12 +454,12 @@ static VNNI void NAME##_##RR(const ActT4* xa, int64_t steps, const uint8_t* w, c
             const ActT4* a = xa + i * steps + t;                                                          \
             __m512i even = CORR(a), odd = _mm512_setzero_si512();      \
             for (int s = 0; s < 8; s += 2) {                                                              \
-                even = _mm512_dpbusd_epi32(even, u[s], _mm512_load_si512((const __m512i*)a->q[s]));      \
-                odd = _mm512_dpbusd_epi32(odd, u[s + 1], _mm512_load_si512((const __m512i*)a->q[s + 1])); \
+                even = _mm512_dpbusd_epi32(even, u[s], _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)a->q[s]))); \
+                odd = _mm512_dpbusd_epi32(odd, u[s + 1], _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)a->q[s + 1]))); \
             }                                                                                             \
-            const __m512 dx = _mm512_load_ps(a->dx);                                                      \
+            const __m512 dx = _mm512_broadcast_f32x4(_mm_load_ps(a->dx));                                 \
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even, odd)), _mm512_mul_ps(scale, dx), acc[i]); \
-            if (OFFSET) acc[i] = _mm512_fnmadd_ps(_mm512_mul_ps(T4_SC_F32(b, 320), dx), _mm512_load_ps(a->psum), acc[i]); \
+            if (OFFSET) acc[i] = _mm512_fnmadd_ps(_mm512_mul_ps(T4_SC_F32(b, 320), dx), _mm512_broadcast_f32x4(_mm_load_ps(a->psum)), acc[i]); \
         }                                                                                                 \
     }                                                                                                     \
     for (int i = 0; i < RR; ++i) {                                                                        \
@@ -490,8 +490,8 @@ static T4Block* const NAME##_blocks[T4_ROWS + 1] = {NULL, NAME##_1, NAME##_2, NA
 #define SC_T4Q8(b) T4_SC_FP16(b, 512)
 #define SC_T4Q5(b) T4_SC_FP16(b, 320)
 #define SC_T4Q4K(b) T4_SC_F32(b, 256)
-#define START_CORR(a) _mm512_load_si512((const __m512i*)(a)->corr)
-#define START_CORR16(a) _mm512_load_si512((const __m512i*)(a)->corr16)
+#define START_CORR(a) _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)(a)->corr))
+#define START_CORR16(a) _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)(a)->corr16))
 #define START_ZERO(a) _mm512_setzero_si512()
 T4KIND(t4q8, 544, t4_q8, SC_T4Q8, START_CORR, 0)
 T4KIND(t4q5, 352, t4_q5, SC_T4Q5, START_CORR16, 0)
