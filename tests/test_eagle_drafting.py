@@ -22,7 +22,7 @@ from specgate.drafting import NoDrafter, eagle, make_drafter
 from specgate.drafting.eagle_drafter import EagleDrafter, HeadCostProxy, HeadState
 from specgate.engine import generate
 from specgate.engine.lossless_real import run_model_check
-from specgate.models import load_model
+from specgate.models import load_model, native
 from specgate.sampling import SamplingParams, logits_to_probs
 from specgate.serving import FixedPolicy, Request, Scheduler, TablePolicy
 
@@ -176,8 +176,9 @@ def test_a_proposal_is_the_heads_greedy_chain_on_the_target_features(target):
     cache, L = head.new_cache(1, 20), ids.numel()
     with torch.no_grad():
         projected = head.project_target(feats[None, :, None])  # [1, L, H]
-    head.step(ids[None, 1 : L - 1], projected[:, : L - 2], torch.arange(L - 2)[None], cache, torch.tensor([0]))
-    by_hand = head.draft_greedy(int(ids[-1]), projected[0, L - 2], L - 2, cache, 0, gamma=4)
+    step = eagle.drafting_step(head)  # the drafters' step: the C kernels' where they run
+    step(ids[None, 1 : L - 1], projected[:, : L - 2], torch.arange(L - 2)[None], cache, torch.tensor([0]))
+    by_hand = head.draft_greedy(int(ids[-1]), projected[0, L - 2], L - 2, cache, 0, gamma=4, step=step)
     assert proposal.tokens.tolist() == by_hand.tolist() and proposal.draft_probs is None and proposal.forward_passes == 4
 
 
@@ -217,7 +218,7 @@ def test_sampled_q_is_the_heads_processed_softmax_on_the_target_vocabulary(targe
     assert all(float(q[i, token]) > 0 for i, token in enumerate(proposal.tokens.tolist()))
     with torch.no_grad():  # the first draft's q by hand: the head's logits at row L-2, processed with the params
         projected = head.project_target(feats[None, :-1, None])
-        logits, _ = head.step(ids[None, 1:], projected, torch.arange(6)[None], head.new_cache(1, 8), torch.tensor([0]))
+        logits, _ = eagle.drafting_step(head)(ids[None, 1:], projected, torch.arange(6)[None], head.new_cache(1, 8), torch.tensor([0]))
     expected = torch.zeros(512)
     expected[head.d2t] = logits_to_probs(logits[0, -1], params)
     torch.testing.assert_close(q[0], expected)
@@ -360,3 +361,29 @@ def test_head_state_refeeds_rows_whose_states_change():
     state.fed = 4
     state.observe(3, torch.full((2, 4), 2.0))  # states rewritten from 3: rows from 3 on must be fed again
     assert (state.known, state.fed) == (5, 3) and float(state.features[4, 0]) == 2.0
+
+
+@pytest.mark.skipif(not native.available(), reason="the native head path needs specgate's C kernels")
+def test_the_native_head_step_computes_what_the_torch_step_computes(target):
+    """NativeHead (C kernels; Q8_0 weights and int8 activations where the CPU has VNNI) against EagleHead.step on a
+    ragged batch with padding: logits and output features close, the K/V it writes close, pads left zero. Negative
+    control: a head with other weights is far outside the same tolerance."""
+    head = random_head(target.model, seed=3)
+    ids = torch.tensor([[5, 9, 11, 2], [7, 3, 0, 0]])
+    positions = torch.tensor([[0, 1, 2, 3], [0, 1, -1, -1]])
+    feature = torch.randn(2, 4, head.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor([1, 0])
+    reference_cache, native_cache = head.new_cache(2, 8), head.new_cache(2, 8)
+    expected, expected_out = head.step(ids, feature, positions, reference_cache, slots)
+    fast = eagle.NativeHead(head)
+    got, got_out = fast.step(ids, feature, positions, native_cache, slots)
+    tolerance = 0.05 if fast.quantized else 1e-4  # Q8_0 weights, int8 activations: ~1% of a logit's scale
+    real = positions >= 0
+    scale = float(expected[real].abs().max())
+    assert torch.allclose(got[real], expected[real], atol=tolerance * scale, rtol=0)
+    assert torch.allclose(got_out[real], expected_out[real], atol=tolerance * float(expected_out[real].abs().max()), rtol=0)
+    assert (got[~real] == 0).all() and (got_out[~real] == 0).all()
+    keys = reference_cache.keys[0][:, :, :8]  # [S, H_kv, L, D] (not the padding sink at L)
+    assert torch.allclose(native_cache.keys[0][:, :, :8], keys, atol=tolerance * float(keys.abs().max()), rtol=0)
+    other, _ = eagle.NativeHead(random_head(target.model, seed=4)).step(ids, feature, positions, head.new_cache(2, 8), slots)
+    assert not torch.allclose(other[real], expected[real], atol=tolerance * scale, rtol=0)

@@ -48,8 +48,8 @@ from torch import Tensor, nn
 
 from specgate.models import native
 from specgate.models.kv_cache import KVCache
-from specgate.models.quant import QuantWeight
-from specgate.models.transformer import Batch, Block, CausalLM, ModelArgs, RMSNorm, apply_rope, rope_inv_freq
+from specgate.models.quant import QuantWeight, quantize_q8_0
+from specgate.models.transformer import STACK_ACTIVATION, Batch, Block, CausalLM, ModelArgs, RMSNorm, apply_rope, rope_inv_freq
 
 FEATURE_FINAL_NORM = -1  # in feature_layers: the target's final-norm hidden state (what forward(return_hidden) gives)
 
@@ -285,14 +285,17 @@ class EagleHead(nn.Module):
         return self.logits(out), out
 
     @torch.inference_mode()
-    def draft_greedy(self, token_id: int, feature: Tensor, position: int, cache: KVCache, slot: int, gamma: int) -> Tensor:
+    def draft_greedy(self, token_id: int, feature: Tensor, position: int, cache: KVCache, slot: int, gamma: int,
+                     step: Any = None) -> Tensor:
         """A greedy chain of gamma draft tokens (target ids [gamma]) after token_id, the token that follows the
         target's state at `position` (feature: that state in head space [H]). The cache must already hold the
-        head's K/V of every earlier position of the slot."""
+        head's K/V of every earlier position of the slot. step: the step to run (default: this head's torch
+        `step`; drafting_step(head) for the drafters' own)."""
         slots = torch.tensor([slot])
+        step = step or self.step
         tokens = []
         for offset in range(gamma):
-            logits, out = self.step(torch.tensor([[token_id]]), feature.view(1, 1, -1), torch.tensor([[position + offset]]), cache, slots)
+            logits, out = step(torch.tensor([[token_id]]), feature.view(1, 1, -1), torch.tensor([[position + offset]]), cache, slots)
             token_id = int(self.d2t[logits[0, -1].argmax()])
             tokens.append(token_id)
             feature = out[0, -1]
@@ -301,6 +304,80 @@ class EagleHead(nn.Module):
     def size_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
         """Bytes of the trainable weights that ship (the frozen rows/embedding/final norm come from the target)."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad) * torch.finfo(dtype).bits // 8
+
+
+class NativeHead:
+    """The head's drafting step in specgate's C kernels, as a target's decode step runs: fc and the reduced LM head
+    through native.skinny_product, the Block through a one-layer native.DecodeStack over the head's own cache.
+    Where int8 activations are on (AVX-512 VNNI) the head's matrices are quantized to Q8_0 on load (ggml's rounding)
+    and read by the int8 kernels: ~15 MB a step instead of ~60 MB of float32, so a draft token costs a fraction of
+    a target step. Quantizing the DRAFT changes which tokens it proposes, never what the output follows: the
+    verifier accepts against the q actually sampled (tests/test_eagle_drafting.py compares it with `step`)."""
+
+    def __init__(self, head: "EagleHead") -> None:
+        c, block = head.config, head.layer
+        attn, mlp = block.self_attn, block.mlp
+        if attn.q_proj.bias is not None or mlp.gate_proj.bias is not None or STACK_ACTIVATION.get(c.activation) is None:
+            raise ValueError("the native head path takes the Gemma-3 layer shape (no biases, GeGLU)")
+        self.quantized = native.int8_activations()
+
+        def weight(t: Tensor) -> Tensor | QuantWeight:  # [N, K]
+            t = t.detach().float().contiguous()
+            return native.for_kernels(quantize_q8_0(t)) if self.quantized else t
+
+        with torch.no_grad():
+            qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # [(H_q + 2 H_kv) D, H]
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])  # [2 I, H]
+            scale = {name: (1.0 + norm.weight.detach().float()).contiguous() for name, norm in (
+                ("in", block.input_layernorm), ("attn", block.post_attention_layernorm), ("pre", block.pre_feedforward_layernorm),
+                ("post", block.post_feedforward_layernorm), ("q", attn.q_norm), ("k", attn.k_norm))}
+            layer = native.StackLayer(
+                qkv=weight(qkv), qkv_bias=None, o=weight(attn.o_proj.weight), o_bias=None, gate_up=weight(gate_up),
+                gate_up_bias=None, down=weight(mlp.down_proj.weight), down_bias=None, norm_in=scale["in"],
+                norm_attn=scale["attn"], norm_pre_ff=scale["pre"], norm_post_ff=scale["post"], q_norm=scale["q"],
+                k_norm=scale["k"], inv_freq=head.inv_freq["all"].float().contiguous(), window=None, scale=float(attn.scale))
+            self.stack = native.DecodeStack([layer], heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                            eps=c.norm_eps, gemma=True, activation=STACK_ACTIVATION[c.activation])
+            self.fc = weight(head.fc.weight)  # [H, 2H]
+            self.rows = weight(head.rows)  # [V_d, H]
+        self.head = head
+
+    @torch.inference_mode()
+    def step(self, token_ids: Tensor, feature: Tensor, positions: Tensor, cache: KVCache, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """EagleHead.step's contract (token_ids, positions [B, T], feature [B, T, H], slots [B]; -1 = pad) -> (logits
+        [B, T, V_d], out [B, T, H]), pads' rows zero; only the real rows run."""
+        cache.check(positions, slots)
+        head = self.head
+        B, T = token_ids.shape
+        flat_positions = positions.reshape(-1)
+        keep = (flat_positions >= 0).nonzero().squeeze(1)  # [R]
+        ids = token_ids.reshape(-1).index_select(0, keep)
+        mixed = torch.cat([head.embed_norm(head.embed_tokens(ids)),
+                           head.input_norm(feature.reshape(B * T, -1).index_select(0, keep).float())], -1).contiguous()  # [R, 2H]
+        x = native.skinny_product(mixed, self.fc)  # [R, H]
+        row_slots = slots.to(torch.int64)[:, None].expand(B, T).reshape(-1).index_select(0, keep).contiguous()
+        self.stack.run(x, flat_positions.index_select(0, keep).contiguous(), row_slots, cache.keys, cache.values)
+        scores = native.skinny_product(head.final_norm(x).contiguous(), self.rows)  # [R, V_d]
+        if keep.numel() == B * T:
+            return scores.view(B, T, -1), x.view(B, T, -1)
+        logits = torch.zeros(B * T, scores.shape[1])
+        out = torch.zeros(B * T, x.shape[1])
+        logits[keep], out[keep] = scores, x
+        return logits.view(B, T, -1), out.view(B, T, -1)
+
+
+def drafting_step(head: "EagleHead"):
+    """The step drafting calls: NativeHead's where the C kernels run, else the head's own torch `step`."""
+    if not native.available():
+        return head.step
+    built = getattr(head, "_native_head", None)  # built once per head: every request's proposer shares it
+    if built is None:
+        try:
+            built = NativeHead(head)
+        except ValueError:
+            return head.step
+        head._native_head = built
+    return built.step
 
 
 def unrolled_mask(length: int, step: int) -> Tensor:

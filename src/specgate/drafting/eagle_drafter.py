@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from specgate.drafting.base import DraftProposal, Drafter
-from specgate.drafting.eagle import FEATURE_FINAL_NORM, EagleHead
+from specgate.drafting.eagle import FEATURE_FINAL_NORM, EagleHead, drafting_step
 from specgate.drafting.model_drafter import sample_draft
 
 # sample(logits `# [B', V_d]`, request indices [B']) -> (tokens `# [B']` target ids, q: B' rows `# [V_t]` (None for a
@@ -74,6 +74,7 @@ class EagleProposer:
         self.head, self.name = head, name
         self.target_vocab_size, self.max_seq_len = int(target_vocab_size), int(max_seq_len)
         self.cache = head.new_cache(num_slots, max_seq_len)
+        self.step = drafting_step(head)  # the C kernels' step where they run
 
     def new_state(self) -> HeadState:
         return HeadState(torch.zeros(self.max_seq_len, self.head.config.hidden_size))
@@ -130,7 +131,7 @@ class EagleProposer:
             rows = [rows[k] for k in more]
             positions = torch.tensor([[contexts[i].numel() - 1 + step] for i in rows])  # [B', 1]
             chosen = torch.tensor(more)
-            logits, out = self.head.step(drafted[chosen][:, None], out[chosen][:, None], positions, self.cache, torch.tensor([slots[i] for i in rows]))
+            logits, out = self.step(drafted[chosen][:, None], out[chosen][:, None], positions, self.cache, torch.tensor([slots[i] for i in rows]))
             logits, out = logits[:, 0], out[:, 0]  # [B', V_d], [B', H]
         return tokens, probs
 
@@ -153,7 +154,7 @@ class EagleProposer:
             positions[row, :count] = torch.arange(start, last + 1)
             features[row, :count, 0] = state.features[start : last + 1]
             state.fed = last + 1
-        logits, out = self.head.step(ids, self.head.project_target(features), positions, self.cache, torch.tensor(slots))
+        logits, out = self.step(ids, self.head.project_target(features), positions, self.cache, torch.tensor(slots))
         index = (torch.arange(batch), torch.tensor(counts) - 1)
         return logits[index], out[index]
 
@@ -218,6 +219,7 @@ class HeadCostProxy:
 
     def __init__(self, head: EagleHead) -> None:
         self.head = head
+        self.step = drafting_step(head)
         self.vocab_size = head.config.draft_vocab_size
 
     def new_cache(self, num_slots: int, max_seq_len: int) -> Any:
@@ -225,7 +227,7 @@ class HeadCostProxy:
 
     def forward(self, input_ids: Tensor, positions: Tensor, cache: Any, slots: Tensor, *, logits: bool = True, out: Tensor | None = None) -> Tensor | None:
         feature = torch.zeros(*input_ids.shape, self.head.config.hidden_size)  # [B, T, H]
-        scores, _ = self.head.step(input_ids, feature, positions, cache, slots)  # [B, T, V_d]
+        scores, _ = self.step(input_ids, feature, positions, cache, slots)  # [B, T, V_d]
         if not logits:
             return None
         return scores if out is None else out.copy_(scores)

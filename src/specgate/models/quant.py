@@ -6,9 +6,9 @@ quantized matrix as its raw GGUF blocks (QuantWeight: uint8 rows in ggml's layou
 (csrc/quant.c) multiply them in one of two ways, chosen by the CPU alone:
 - int8 activations (AVX-512 VNNI, llama.cpp's method): each 32-block of x is rounded to int8 with a float32
   scale, every weight group's dot product is taken in integers (exact) and scaled in float32. With 2 cores the
-  float32 widening of the weights, not the memory, was the limit; integer dots remove it. The tied Q8_0
-  embedding / LM head (73% of the bytes) is rearranged at load into Q8_0_R4 (4 rows interleaved, one sequential
-  stream a block; an exact rearrangement). The model is the GGUF as llama.cpp computes it, not its float32
+  float32 widening of the weights, not the memory, was the limit; integer dots remove it. At load every matrix
+  is rearranged exactly into one sequential stream per 4 rows (csrc/quant.c), Q8_0 / Q5_0 / Q4_K block-transposed
+  so that one integer lane sums a whole 32-group and extra rows of x (a verification's tokens) cost little. The model is the GGUF as llama.cpp computes it, not its float32
   de-quantisation: decode logits differ from that by activation rounding (top token agrees at ~95% of positions).
 - float32 activations (AVX2 / AVX-512 without VNNI, or SPECGATE_VNNI=0): 32 weights at a time decoded in
   registers to float32 (ggml's dequantization exactly) and summed in the float32 kernel's order, so a product
