@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from scipy import stats as scipy_stats
 from torch import Tensor
 
@@ -101,6 +102,12 @@ class _Pair:
         """
         from specgate.sampling import logits_to_probs, rejection_sample
 
+        rows_per_call = max(1, 8 * MEMORY_FLOATS // ((sampler.gamma + 1) * self.vocab_size))
+        if contexts.shape[0] > rows_per_call:  # q and p are [B, G(+1), V]: a real vocabulary needs them in slices
+            parts = [self.step(contexts[begin : begin + rows_per_call], sampler) for begin in range(0, contexts.shape[0], rows_per_call)]
+            width = max(out.shape[1] for out, _ in parts)
+            out = torch.cat([F.pad(out, (0, width - out.shape[1]), value=-1) for out, _ in parts])
+            return out, torch.cat([accepted for _, accepted in parts])
         tokens, counts, draft_probs = self.drafts(contexts, sampler.gamma)  # [B, G], [B], [B, G, V] | None
         gamma = tokens.shape[1]
         rows, inverse = torch.unique(torch.cat([contexts, tokens], 1), dim=0, return_inverse=True)
