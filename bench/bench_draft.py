@@ -30,6 +30,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("out/bench_draft.json"))
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers lane")
     parser.add_argument("--agreement-only", action="store_true", help="only the teacher-forced greedy agreement of the default draft with the target on the prompts (no timing)")
+    parser.add_argument("--eagle", type=Path, default=None, help="an EAGLE head directory (eagle_train export): adds the eagle lanes")
     parser.add_argument("--lanes", default="", help="comma-separated subset of the lanes (default: all); speedups need the baselines")
     return parser.parse_args()
 
@@ -44,11 +45,11 @@ def main() -> None:
         print(json.dumps({"dtype": str(dtype).removeprefix("torch."), "teacher_forced_agreement": result}, indent=1))
         return
     try:
-        chosen = choose_lanes(args.lanes)
+        chosen = choose_lanes(args.lanes, eagle=args.eagle is not None)
     except ValueError as error:
         raise SystemExit(f"--lanes: {error}") from None
     tmp = Path(tempfile.mkdtemp(prefix="specgate-selfspec-"))
-    built = {lane: (make_lane_drafter(spec, target, tmp), gamma, temperature) for lane, (spec, gamma, temperature) in DRAFT_LANES.items() if lane in chosen}
+    built = {lane: (make_lane_drafter(spec, target, tmp, args.eagle), gamma, temperature) for lane, (spec, gamma, temperature) in DRAFT_LANES.items() if lane in chosen}
     hf_model = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM

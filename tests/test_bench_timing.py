@@ -7,6 +7,7 @@ theory comparison, bench_draft's and bench_assisted's summaries, and the tables 
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -145,6 +146,9 @@ def test_draft_summary_by_hand():
     assert lane["c"] == pytest.approx(0.1) and lane["identical_to_baseline"]
     assert lane["theory_speedup"] == pytest.approx((1 - (2 / 3) ** 3) / ((1 - 2 / 3) * 1.2))
     assert draft.choose_lanes("") == draft.DEFAULT_LANES and "self-spec 6L g2" not in draft.DEFAULT_LANES
+    assert draft.choose_lanes("", eagle=True) == draft.DEFAULT_LANES + draft.EAGLE_LANES and "eagle g3" in draft.EAGLE_LANES
+    with pytest.raises(ValueError, match="--eagle DIR"):
+        draft.make_lane_drafter("eagle", None, Path("."))
     with pytest.raises(ValueError, match=r"unknown lane\(s\) \['nope'\]"):
         draft.choose_lanes("baseline,nope")
 

@@ -2,7 +2,8 @@
 
 Prompts are held out of the draft's training text (workloads.held_out_prompts). Each prompt runs once per lane,
 lanes interleaved prompt by prompt (background load hits every lane alike), after one warm-up of every lane.
-Lanes (DRAFT_LANES; temperature 0 unless named): own baseline; the default draft at gamma 1, 2, 3; the
+Lanes (DRAFT_LANES; temperature 0 unless named): own baseline; the default draft at gamma 1, 2, 3; an EAGLE head
+(--eagle DIR) at gamma 2, 3, 4 and at temperature 1 gamma 3; the
 self-speculative candidate (the target's first 6 layers + final norm + the same reduced head, untrained) at gamma 2
 (only when named: its alpha is near 0); at temperature 1 the baseline and the default draft at gamma 3 (the same
 seeds); transformers' greedy generate() on the same weights.
@@ -34,8 +35,13 @@ DRAFT_LANES = {
     "self-spec 6L g2": ("self-spec:6", 2, 0.0),
     "baseline T=1": ("none", 0, 1.0),
     "default g3 T=1": ("default", 3, 1.0),
+    "eagle g2": ("eagle", 2, 0.0),  # the EAGLE head given by --eagle DIR (the eagle lanes run only with it)
+    "eagle g3": ("eagle", 3, 0.0),
+    "eagle g4": ("eagle", 4, 0.0),
+    "eagle g3 T=1": ("eagle", 3, 1.0),
 }
-DEFAULT_LANES = [lane for lane in DRAFT_LANES if not lane.startswith("self-spec")]
+DEFAULT_LANES = [lane for lane in DRAFT_LANES if not lane.startswith(("self-spec", "eagle"))]
+EAGLE_LANES = [lane for lane in DRAFT_LANES if lane.startswith("eagle")]
 
 
 def self_speculative_dir(target: Any, layers: int, out_dir: Path) -> Path:
@@ -72,19 +78,24 @@ def teacher_forced_agreement(target: Any, texts: list[str], drafter: Any = None)
     return {"positions": positions, "agreement": equal / positions}
 
 
-def make_lane_drafter(spec: str, target: Any, tmp: Path) -> Any:
-    """'none' | 'default' | 'self-spec:L' (written under tmp) -> the drafter."""
+def make_lane_drafter(spec: str, target: Any, tmp: Path, eagle_dir: Path | None = None) -> Any:
+    """'none' | 'default' | 'self-spec:L' (written under tmp) | 'eagle' (the head in eagle_dir) -> the drafter."""
     if spec == "none":
         return NoDrafter()
+    if spec == "eagle":
+        if eagle_dir is None:
+            raise ValueError("the eagle lanes need the head's directory: pass --eagle DIR")
+        return make_drafter(f"eagle:{eagle_dir}", target)
     if spec.startswith("self-spec:"):
         layers = int(spec.partition(":")[2])
         return make_drafter(str(self_speculative_dir(target, layers, tmp / f"self-spec-{layers}")), target)
     return make_drafter(spec, target)
 
 
-def choose_lanes(text: str) -> list[str]:
-    """--lanes 'a,b' -> the lanes (default: DEFAULT_LANES); ValueError naming the unknown ones."""
-    chosen = [lane.strip() for lane in text.split(",") if lane.strip()] or DEFAULT_LANES
+def choose_lanes(text: str, eagle: bool = False) -> list[str]:
+    """--lanes 'a,b' -> the lanes (default: DEFAULT_LANES, plus EAGLE_LANES with a head); ValueError naming the
+    unknown ones."""
+    chosen = [lane.strip() for lane in text.split(",") if lane.strip()] or DEFAULT_LANES + (EAGLE_LANES if eagle else [])
     unknown = sorted(set(chosen) - set(DRAFT_LANES))
     if unknown:
         raise ValueError(f"unknown lane(s) {unknown}; choose from {list(DRAFT_LANES)}")
