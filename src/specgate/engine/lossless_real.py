@@ -55,16 +55,28 @@ class _Pair:
         self.vocab_size = int(target.model.vocab_size)
 
     def target_logits(self, rows: Tensor, last: int) -> Tensor:
-        """Logits of the last `last` positions of rows [U, T] -> [U, last, V], in chunks of rows."""
+        """Logits of the last `last` positions of rows [U, T] -> [U, last, V]. The tokens every row starts with
+        (before the last `last`) are prefilled once and their K/V copied into each chunk's cache, as the engine
+        prefills a prompt once and then verifies; only the remaining positions run per row."""
         model, (num_rows, length) = self.target.model, rows.shape
-        chunk = max(1, min(num_rows, MEMORY_FLOATS // max(1, length * self.vocab_size)))
+        same = (rows == rows[:1]).all(0).long()  # [T] 1 where every row has the first row's token
+        shared = min(int(same.cumprod(0).sum()), length - last)
+        prefix = None
+        if shared > 0:
+            prefix = model.new_cache(1, length)
+            model.forward(rows[:1, :shared], torch.arange(shared)[None], prefix, torch.tensor([0]), logits=False)
+        width = length - shared
+        chunk = max(1, min(num_rows, 4 * MEMORY_FLOATS // max(1, width * self.vocab_size)))
         out = []
         for begin in range(0, num_rows, chunk):
-            ids = rows[begin : begin + chunk]  # [C, T]
+            ids = rows[begin : begin + chunk, shared:]  # [C, T - shared]
             cache = model.new_cache(ids.shape[0], length)
-            positions = torch.arange(length, dtype=torch.int64)[None].expand(ids.shape[0], length)  # [C, T]
+            if prefix is not None:
+                for mine, theirs in zip(cache.keys + cache.values, prefix.keys + prefix.values):
+                    mine[:, :, :shared] = theirs[:1, :, :shared]
+            positions = torch.arange(shared, length, dtype=torch.int64)[None].expand(ids.shape[0], width)  # [C, T - shared]
             slots = torch.arange(ids.shape[0], dtype=torch.int64)  # [C]
-            out.append(model.forward(ids, positions, cache, slots)[:, length - last :].float())
+            out.append(model.forward(ids, positions, cache, slots)[:, width - last :].float())
         return torch.cat(out)
 
     def next_probs(self, rows: Tensor) -> Tensor:
