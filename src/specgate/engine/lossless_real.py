@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from scipy import stats as scipy_stats
 from torch import Tensor
 
+from specgate.models.native import QUANT_MAX_ROWS
+
 DEFAULT_PREFIXES: tuple[str, ...] = (
     "The cat sat on the mat. The cat sat on the",
     "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return",
@@ -66,7 +68,8 @@ class _Pair:
             prefix = model.new_cache(1, length)
             model.forward(rows[:1, :shared], torch.arange(shared)[None], prefix, torch.tensor([0]), logits=False)
         width = length - shared
-        chunk = max(1, min(num_rows, 4 * MEMORY_FLOATS // max(1, width * self.vocab_size)))
+        # rows x width within the C kernels' row limit: past it a forward de-quantises the weights chunk by chunk
+        chunk = max(1, min(num_rows, 4 * MEMORY_FLOATS // max(1, width * self.vocab_size), QUANT_MAX_ROWS // max(1, width)))
         out = []
         for begin in range(0, num_rows, chunk):
             ids = rows[begin : begin + chunk, shared:]  # [C, T - shared]
