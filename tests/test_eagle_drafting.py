@@ -387,3 +387,14 @@ def test_the_native_head_step_computes_what_the_torch_step_computes(target):
     assert torch.allclose(native_cache.keys[0][:, :, :8], keys, atol=tolerance * float(keys.abs().max()), rtol=0)
     other, _ = eagle.NativeHead(random_head(target.model, seed=4)).step(ids, feature, positions, head.new_cache(2, 8), slots)
     assert not torch.allclose(other[real], expected[real], atol=tolerance * scale, rtol=0)
+
+
+def test_draft_eagle_names_the_head_shipped_for_the_target(target, echo_dir, monkeypatch):
+    from specgate.drafting import registry
+
+    with pytest.raises(ValueError, match=r"no EAGLE head ships for target .*--draft eagle:DIR"):
+        make_drafter("eagle", target)
+    monkeypatch.setitem(registry.EAGLE_HEADS, target.name, echo_dir)
+    drafter = make_drafter("eagle", target)
+    assert isinstance(drafter, EagleDrafter) and drafter.head.config.draft_vocab_size == DRAFT_VOCAB
+    assert registry.resolve_eagle("ngram", target.name) == "ngram"

@@ -52,8 +52,8 @@ def register(app: typer.Typer) -> None:
         target: str = typer.Option("gemma-3-270m", help="Target model: gemma-3-270m, an HF directory, or a .gguf file."),
         draft: str = typer.Option(
             "ngram",
-            help="Drafter: none (target only), ngram (prompt lookup), default (the target's draft), eagle:DIR (an EAGLE head "
-            "saved for this target), a draft model PATH, "
+            help="Drafter: none (target only), ngram (prompt lookup), default (the target's draft), eagle (the EAGLE head "
+            "shipped for the target), eagle:DIR (one saved for it), a draft model PATH, "
             "or synthetic:AL=3 / synthetic:0.9,0.8 (LOSSY, cost studies only).",
         ),
         gamma: int = typer.Option(4, help="Draft tokens per step (>= 0; use 0 with --draft none for the baseline)."),

@@ -13,7 +13,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def serve(
         target: str = typer.Option("gemma-3-270m", help="Target model: gemma-3-270m, an HF directory, or a .gguf file."),
-        draft: str = typer.Option("ngram", help="Drafter: none, ngram (prompt lookup), default (the target's registered draft), eagle:DIR (an EAGLE head saved for this target), or a draft model name / PATH sharing the target's tokenizer."),
+        draft: str = typer.Option("ngram", help="Drafter: none, ngram (prompt lookup), default (the target's registered draft), eagle (the EAGLE head shipped for the target), eagle:DIR (one saved for it), or a draft model name / PATH sharing the target's tokenizer."),
         host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default; 0.0.0.0 exposes the server)."),
         port: int = typer.Option(8000, help="TCP port (0 = any free port, printed at start)."),
         policy: str = typer.Option("adaptive", help="Speculation policy: adaptive (calibrated goodput model), fixed, table, off."),

@@ -1,4 +1,4 @@
-"""Drafter names -> drafters: "none", "ngram", "default", "synthetic:...", "eagle:<dir>", or a draft model's name / path."""
+"""Drafter names -> drafters: "none", "ngram", "default", "synthetic:...", "eagle", "eagle:<dir>", or a draft model's name / path."""
 
 from __future__ import annotations
 
@@ -13,6 +13,21 @@ _DRAFTS_DIR = Path(__file__).resolve().parent.parent / "data" / "drafts"
 # Gemma-3-270M's is built by `python -m specgate.drafting.build_default` (docs/DRAFT_MODEL.md).
 DEFAULT_DRAFTS: dict[str, str] = {"gemma-3-270m": str(_DRAFTS_DIR / "gemma-3-270m-default")}
 EAGLE_PREFIX = "eagle:"  # --draft eagle:<dir>: a head saved by specgate.drafting.eagle.save_head
+# target name -> the EAGLE head shipped for it (`--draft eagle`), trained by specgate.drafting.eagle_train
+EAGLE_HEADS: dict[str, Path] = {"gemma-3-270m": _DRAFTS_DIR / "gemma-3-270m-eagle"}
+
+
+def resolve_eagle(spec: str, target_name: str) -> str:
+    """`eagle` -> `eagle:<the head shipped for target_name>` (ValueError naming the fix where none is); any other
+    spec unchanged."""
+    if spec.strip() != "eagle":
+        return spec
+    head_dir = EAGLE_HEADS.get(target_name)
+    if head_dir is None or not (head_dir / "eagle_config.json").is_file():
+        known = ", ".join(sorted(name for name, path in EAGLE_HEADS.items() if (path / "eagle_config.json").is_file())) or "none"
+        raise ValueError(f"--draft eagle: no EAGLE head ships for target '{target_name}' (targets with one: {known}): "
+                         "train one (python -m specgate.drafting.eagle_train) and pass --draft eagle:DIR")
+    return EAGLE_PREFIX + str(head_dir)
 
 
 def make_eagle_drafter(spec: str, target: Any) -> Drafter:
@@ -31,11 +46,11 @@ def make_drafter(spec: str, target: Any, *, dtype: Any = None, gamma: int | None
 
     spec: "none" (target only), "ngram" (prompt lookup, n = 1..3), "default" (the target's registered default
     draft), "synthetic:<rates>" or "synthetic:AL=<x>" (LOSSY cost-study drafter, see specgate.drafting.synthetic;
-    AL needs gamma), "eagle:<dir>" (an EAGLE head saved by specgate.drafting.eagle.save_head, checked against the
+    AL needs gamma), "eagle" (the EAGLE head shipped for the target, EAGLE_HEADS), "eagle:<dir>" (an EAGLE head saved by specgate.drafting.eagle.save_head, checked against the
     target; it computes in float32 whatever dtype says), or anything load_model accepts (a draft model name, HF
     directory or .gguf file), which gives a ModelDrafter. dtype: the draft model's weights dtype.
     """
-    spec = spec.strip()
+    spec = resolve_eagle(spec.strip(), getattr(target, "name", ""))
     if spec == "none":
         return NoDrafter()
     if spec == "ngram":

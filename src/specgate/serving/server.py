@@ -131,6 +131,10 @@ def build_engine(config: ServerConfig) -> Engine:
     target = load_model(config.target, dtype=weights) if isinstance(config.target, str) else config.target
     dtype = draft_dtype(weights)  # a draft model's torch dtype (bf16 / float32 beside a quantized target)
     draft = config.draft
+    if isinstance(draft, str):
+        from specgate.drafting.registry import resolve_eagle
+
+        draft = resolve_eagle(draft, target.name)  # `eagle`: the head shipped for the target
     if draft == "default":  # the target's registered draft model (ValueError naming the options if none)
         from specgate.drafting import make_drafter
 
