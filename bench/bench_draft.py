@@ -19,13 +19,14 @@ import torch
 
 from specgate.bench.draft import DRAFT_LANES, choose_lanes, make_lane_drafter, run_draft_bench, summarise, teacher_forced_agreement
 from specgate.bench.workloads import held_out_prompts
-from specgate.models import load_model, resolve_dtype
+from specgate.models import load_model
+from specgate.models.dtypes import draft_dtype, resolve_weights
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (target and draft alike)")
+    parser.add_argument("--dtype", default="auto", help="the target's weights: auto (the GGUF's blocks where the C kernels run) | gguf | float32 | bfloat16")
     parser.add_argument("--build-dir", type=Path, default=Path("build/draft"))
     parser.add_argument("--out", type=Path, default=Path("out/bench_draft.json"))
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers lane")
@@ -37,12 +38,13 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    dtype = resolve_dtype(args.dtype)
-    target = load_model("gemma-3-270m", dtype=dtype)
+    weights = resolve_weights(args.dtype, "gemma-3-270m")  # auto: the GGUF's own blocks where the C kernels run
+    dtype = draft_dtype(weights)  # the draft model's and transformers' torch dtype
+    target = load_model("gemma-3-270m", dtype=weights)
     prompts = held_out_prompts(args.build_dir)
     if args.agreement_only:
         result = {category: teacher_forced_agreement(target, texts) for category, texts in prompts.items()}
-        print(json.dumps({"dtype": str(dtype).removeprefix("torch."), "teacher_forced_agreement": result}, indent=1))
+        print(json.dumps({"dtype": str(weights).removeprefix("torch."), "teacher_forced_agreement": result}, indent=1))
         return
     try:
         chosen = choose_lanes(args.lanes, eagle=args.eagle is not None)
@@ -64,7 +66,7 @@ def main() -> None:
 
     records = run_draft_bench(target, built, hf_model, prompts, args.max_new_tokens, on_record)
     summary = summarise(records, list(built) + (["transformers greedy"] if hf_model is not None else []), built)
-    report = {"dtype": str(dtype).removeprefix("torch."), "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads(), "summary": summary, "records": records}
+    report = {"dtype": str(weights).removeprefix("torch."), "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads(), "summary": summary, "records": records}
     args.out.write_text(json.dumps(report, indent=1))
     print(json.dumps({"dtype": report["dtype"], "summary": summary}, indent=1))
 
