@@ -1,9 +1,10 @@
-"""Default-draft benchmark: Gemma-3-270M with `--draft default` vs its own gamma = 0 baseline, batch 1.
+"""Draft benchmark: Gemma-3-270M with its EAGLE head (`--draft default`) and its small draft model vs its own
+gamma = 0 baseline, batch 1.
 
-Prompts are held out of the draft's training text (docs/DRAFT_MODEL.md); lanes interleaved prompt by prompt after
-one warm-up of every lane: own baseline, the default draft at gamma 1, 2, 3, at temperature 1 the baseline and
-gamma 3, transformers greedy generate(); the self-speculative candidate only when named in --lanes. Speedups,
-alpha, c, AL and Leviathan's S per category: the method is specgate.bench.draft.
+Prompts are held out of both drafts' training text (docs/DRAFT_MODEL.md); lanes interleaved prompt by prompt after
+one warm-up of every lane: own baseline, the draft model at gamma 1, 2, 3, the head at gamma 2, 3, 4, at
+temperature 1 the baseline and both at gamma 3, transformers greedy generate(); the self-speculative candidate only
+when named in --lanes. Speedups, alpha, c, AL and Leviathan's S per category: the method is specgate.bench.draft.
 
 Run: flock /tmp/specgate-heavy.lock .venv/bin/python bench/bench_draft.py [--max-new-tokens 64] [--dtype auto]
 """
@@ -31,7 +32,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("out/bench_draft.json"))
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers lane")
     parser.add_argument("--agreement-only", action="store_true", help="only the teacher-forced greedy agreement of the default draft with the target on the prompts (no timing)")
-    parser.add_argument("--eagle", type=Path, default=None, help="an EAGLE head directory (eagle_train export): adds the eagle lanes")
+    parser.add_argument("--eagle", type=Path, default=None, help="the eagle lanes' head directory (eagle_train export; default: the head shipped for the target)")
     parser.add_argument("--lanes", default="", help="comma-separated subset of the lanes (default: all); speedups need the baselines")
     return parser.parse_args()
 
@@ -47,7 +48,7 @@ def main() -> None:
         print(json.dumps({"dtype": str(weights).removeprefix("torch."), "teacher_forced_agreement": result}, indent=1))
         return
     try:
-        chosen = choose_lanes(args.lanes, eagle=args.eagle is not None)
+        chosen = choose_lanes(args.lanes)
     except ValueError as error:
         raise SystemExit(f"--lanes: {error}") from None
     tmp = Path(tempfile.mkdtemp(prefix="specgate-selfspec-"))

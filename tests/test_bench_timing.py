@@ -136,19 +136,17 @@ def draft_stats(wall_s: float, prefill_ms: float, **counts) -> dict:
 
 def test_draft_summary_by_hand():
     lane_stats = draft_stats(1.0, 500.0, accepted_tokens=10, rejections=5, drafted_tokens=20, draft_ms_total=20.0, verify_ms_total=100.0)
-    row = {"category": "code", "baseline": {"tokens": [1, 2], "stats": draft_stats(2.0, 500.0)}, "default g2": {"tokens": [1, 2], "stats": lane_stats}}
-    built = {"baseline": (None, 0, 0.0), "default g2": (None, 2, 0.0)}
-    summary = draft.summarise([row, dict(row)], ["baseline", "default g2"], built)["code"]
+    row = {"category": "code", "baseline": {"tokens": [1, 2], "stats": draft_stats(2.0, 500.0)}, "draft-model g2": {"tokens": [1, 2], "stats": lane_stats}}
+    built = {"baseline": (None, 0, 0.0), "draft-model g2": (None, 2, 0.0)}
+    summary = draft.summarise([row, dict(row)], ["baseline", "draft-model g2"], built)["code"]
     assert summary["baseline"] == {"tokens_per_s": 5.0, "speedup": 1.0, "decode_speedup": 1.0, "ms_per_step": 15.0}
-    lane = summary["default g2"]
+    lane = summary["draft-model g2"]
     assert lane["speedup"] == 2.0 and lane["decode_speedup"] == pytest.approx(3.0)  # decode 1 s vs 3 s over both prompts
     assert lane["alpha"] == pytest.approx(2 / 3) and lane["acceptance_rate"] == 0.5 and lane["acceptance_length"] == 2.0
     assert lane["c"] == pytest.approx(0.1) and lane["identical_to_baseline"]
     assert lane["theory_speedup"] == pytest.approx((1 - (2 / 3) ** 3) / ((1 - 2 / 3) * 1.2))
     assert draft.choose_lanes("") == draft.DEFAULT_LANES and "self-spec 6L g2" not in draft.DEFAULT_LANES
-    assert draft.choose_lanes("", eagle=True) == draft.DEFAULT_LANES + draft.EAGLE_LANES and "eagle g3" in draft.EAGLE_LANES
-    with pytest.raises(ValueError, match="--eagle DIR"):
-        draft.make_lane_drafter("eagle", None, Path("."))
+    assert "eagle g3" in draft.DEFAULT_LANES and "draft-model g3" in draft.DEFAULT_LANES
     with pytest.raises(ValueError, match=r"unknown lane\(s\) \['nope'\]"):
         draft.choose_lanes("baseline,nope")
 

@@ -1,8 +1,9 @@
-"""The shipped default draft of Gemma-3-270M and the recipe-built draft format (reduced vocabulary, no tokenizer).
+"""Gemma-3-270M's shipped drafts (`--draft default`: the EAGLE head; the small draft model, by path) and the
+recipe-built draft format (reduced vocabulary, no tokenizer).
 
 Fast tests build a tiny recipe-format draft from the tiny Gemma-3 fixture with the recipe's own functions
 (specgate.drafting.distill) and check loading, the map checks and exact greedy output. Slow tests load the
-shipped draft against the real Gemma-3-270M.
+shipped drafts against the real Gemma-3-270M.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from specgate.drafting import DEFAULT_DRAFTS, NoDrafter, make_drafter
 from specgate.drafting import distill
+from specgate.drafting.eagle_drafter import EagleDrafter
+from specgate.drafting.registry import DRAFT_MODEL_DIRS, EAGLE_HEADS, EAGLE_PREFIX
 from specgate.drafting.model_drafter import DRAFT_INFO_FILE, VOCAB_MAP_FILE, VOCAB_MAP_KEY, ModelDrafter, load_draft_dir
 from specgate.engine import generate
 from specgate.models import load_model
@@ -26,7 +29,7 @@ from specgate.sampling import SamplingParams
 from conftest import recipe_draft_info
 
 MAX_DRAFT_BYTES = 30_000_000
-SHIPPED = Path(DEFAULT_DRAFTS["gemma-3-270m"])
+SHIPPED = DRAFT_MODEL_DIRS["gemma-3-270m"]  # the small draft model, reachable by path
 
 
 def write_recipe_draft(target, out_dir: Path, vocab_size: int) -> Path:
@@ -124,9 +127,32 @@ def test_the_shipped_draft_fits_the_size_budget_in_bf16():
     assert json.loads((SHIPPED / DRAFT_INFO_FILE).read_text())["target"] == "gemma-3-270m"
 
 
+def test_gemmas_default_draft_is_its_shipped_eagle_head_within_the_size_bound_with_a_model_card():
+    head_dir = EAGLE_HEADS["gemma-3-270m"]
+    assert DEFAULT_DRAFTS["gemma-3-270m"] == EAGLE_PREFIX + str(head_dir)
+    files = {f.name: f.stat().st_size for f in head_dir.iterdir()}
+    assert {"eagle_head.safetensors", "eagle_config.json", VOCAB_MAP_FILE, "README.md"} <= set(files)
+    assert sum(files.values()) <= MAX_DRAFT_BYTES, f"{files} exceed {MAX_DRAFT_BYTES} bytes"
+    card = (head_dir / "README.md").read_text()
+    for section in ("## Held-out acceptance", "## End to end", "## Limits", "training steps"):
+        assert section in card, f"the model card lacks {section!r}"
+
+
 @pytest.mark.slow
-def test_the_shipped_draft_loads_as_gemmas_default_with_a_consistent_map(gemma):
+def test_default_on_gemma_is_the_eagle_head_and_exact_in_greedy(gemma):
     drafter = make_drafter("default", gemma)
+    assert isinstance(drafter, EagleDrafter)
+    params = SamplingParams(temperature=0.0)
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    baseline = generate(prompt, gemma, NoDrafter(), 0, params, max_new_tokens=48)
+    speculative = generate(prompt, gemma, drafter, 4, params, max_new_tokens=48)
+    assert speculative.tokens == baseline.tokens
+    assert speculative.stats.acceptance_length > 1.5  # a trained head: most steps emit more than the target's token
+
+
+@pytest.mark.slow
+def test_the_shipped_draft_model_loads_by_path_with_a_consistent_map(gemma):
+    drafter = make_drafter(str(SHIPPED), gemma)
     assert isinstance(drafter, ModelDrafter)
     config = json.loads((SHIPPED / "config.json").read_text())
     d2t = drafter.d2t
@@ -143,7 +169,7 @@ def test_the_shipped_draft_is_exact_in_greedy_on_gemma(gemma):
     params = SamplingParams(temperature=0.0)
     prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
     baseline = generate(prompt, gemma, NoDrafter(), 0, params, max_new_tokens=32)
-    speculative = generate(prompt, gemma, make_drafter("default", gemma), 3, params, max_new_tokens=32)
+    speculative = generate(prompt, gemma, make_drafter(str(SHIPPED), gemma), 3, params, max_new_tokens=32)
     assert speculative.tokens == baseline.tokens
     assert speculative.stats.accepted_tokens > 0  # a trained draft: some drafts survive on plain code
 

@@ -10,6 +10,7 @@ the engine hands the head the right states at the right positions.
 """
 
 import json
+from pathlib import Path
 import urllib.request
 
 import pytest
@@ -329,12 +330,18 @@ def test_eagle_sampling_is_lossless_on_a_tiny_gemma(target, echo_dir):
     assert len(report["cases"]) == 8 and len(report["negative_controls"]) == 3 and report["draft"].startswith("eagle:")
 
 
-def test_serve_with_the_head_calibrates_its_step_and_answers_exactly(target, echo_dir, tiny_model_dir):
-    """`specgate serve --draft eagle:DIR --policy adaptive`: the head's step is priced (HeadCostProxy), and a greedy
-    completion equals target-only generation."""
+@pytest.mark.parametrize("spec", ["eagle:DIR", "default"])
+def test_serve_with_the_head_calibrates_its_step_and_answers_exactly(target, echo_dir, tiny_model_dir, monkeypatch, spec):
+    """`specgate serve --draft eagle:DIR --policy adaptive`, and `--draft default` where the registry names a head
+    (as it does for gemma-3-270m): the head's step is priced (HeadCostProxy), and a greedy completion equals
+    target-only generation."""
+    from specgate.drafting import registry
     from specgate.serving.server import ServerConfig, start_server
 
-    handle = start_server(ServerConfig(target=str(tiny_model_dir("gemma3")), draft=f"eagle:{echo_dir}", port=0, policy="adaptive",
+    target_dir = tiny_model_dir("gemma3")
+    monkeypatch.setitem(registry.DEFAULT_DRAFTS, Path(target_dir).name, f"eagle:{echo_dir}")
+    draft = f"eagle:{echo_dir}" if spec == "eagle:DIR" else spec
+    handle = start_server(ServerConfig(target=str(target_dir), draft=draft, port=0, policy="adaptive",
                                        gamma=3, max_num_seqs=2, max_seq_len=64, dtype="float32"))
     try:
         scheduler = handle.engine.scheduler

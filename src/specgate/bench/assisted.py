@@ -153,11 +153,12 @@ def load_assisted(target_name: str, dtype: torch.dtype, gammas: list[int], hf_de
     from transformers import AutoModelForCausalLM
 
     from specgate.drafting import make_drafter
+    from specgate.drafting.registry import DRAFT_MODEL_DIRS
     from specgate.models import load_model
 
     target = load_model(target_name, dtype=dtype)
     hf_target = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=dtype, local_files_only=True).eval()
-    reduced = make_drafter("default", target, dtype=dtype)
+    reduced = make_drafter(str(DRAFT_MODEL_DIRS[target.name]), target, dtype=dtype)  # the small draft model
     tmp = Path(tempfile.mkdtemp(prefix="specgate-fullvocab-draft-"))
     try:
         full_dir = expand_draft_vocabulary(reduced, target, tmp / f"{Path(target_name).name}-default-full-vocab")

@@ -1,12 +1,12 @@
-"""The default draft against its own gamma = 0 baseline, batch 1 (bench/bench_draft.py).
+"""Gemma-3-270M's drafts against its own gamma = 0 baseline, batch 1 (bench/bench_draft.py).
 
 Prompts are held out of the draft's training text (workloads.held_out_prompts). Each prompt runs once per lane,
 lanes interleaved prompt by prompt (background load hits every lane alike), after one warm-up of every lane.
-Lanes (DRAFT_LANES; temperature 0 unless named): own baseline; the default draft at gamma 1, 2, 3; an EAGLE head
-(--eagle DIR) at gamma 2, 3, 4 and at temperature 1 gamma 3; the
+Lanes (DRAFT_LANES; temperature 0 unless named): own baseline; the small draft model (registry.DRAFT_MODEL_DIRS)
+at gamma 1, 2, 3; the EAGLE head (`--draft default`: the one shipped, or --eagle DIR) at gamma 2, 3, 4; the
 self-speculative candidate (the target's first 6 layers + final norm + the same reduced head, untrained) at gamma 2
-(only when named: its alpha is near 0); at temperature 1 the baseline and the default draft at gamma 3 (the same
-seeds); transformers' greedy generate() on the same weights.
+(only when named: its alpha is near 0); at temperature 1 the baseline, the draft model and the head at gamma 3 (the
+same seeds); transformers' greedy generate() on the same weights.
 
 Speedup = baseline wall time / lane wall time summed over a category's prompts (tokens per second), prefill
 included; decode_speedup leaves the (identical) prefill out of both. alpha, c, AL come from the engine's counters;
@@ -29,19 +29,18 @@ from specgate.theory import speedup as theory_speedup
 # lane -> (drafter spec: "none", "default" or "self-spec:L", gamma, temperature)
 DRAFT_LANES = {
     "baseline": ("none", 0, 0.0),
-    "default g2": ("default", 2, 0.0),
-    "default g3": ("default", 3, 0.0),
-    "default g1": ("default", 1, 0.0),
+    "draft-model g2": ("draft-model", 2, 0.0),  # the small draft model (registry.DRAFT_MODEL_DIRS)
+    "draft-model g3": ("draft-model", 3, 0.0),
+    "draft-model g1": ("draft-model", 1, 0.0),
     "self-spec 6L g2": ("self-spec:6", 2, 0.0),
     "baseline T=1": ("none", 0, 1.0),
-    "default g3 T=1": ("default", 3, 1.0),
-    "eagle g2": ("eagle", 2, 0.0),  # the EAGLE head given by --eagle DIR (the eagle lanes run only with it)
+    "draft-model g3 T=1": ("draft-model", 3, 1.0),
+    "eagle g2": ("eagle", 2, 0.0),  # the EAGLE head: --eagle DIR, else the one shipped (`--draft default`)
     "eagle g3": ("eagle", 3, 0.0),
     "eagle g4": ("eagle", 4, 0.0),
     "eagle g3 T=1": ("eagle", 3, 1.0),
 }
-DEFAULT_LANES = [lane for lane in DRAFT_LANES if not lane.startswith(("self-spec", "eagle"))]
-EAGLE_LANES = [lane for lane in DRAFT_LANES if lane.startswith("eagle")]
+DEFAULT_LANES = [lane for lane in DRAFT_LANES if not lane.startswith("self-spec")]
 
 
 def self_speculative_dir(target: Any, layers: int, out_dir: Path) -> Path:
@@ -63,7 +62,7 @@ def self_speculative_dir(target: Any, layers: int, out_dir: Path) -> Path:
 def teacher_forced_agreement(target: Any, texts: list[str], drafter: Any = None) -> dict:
     """How often the draft's argmax (default: the default draft) equals the target's (full-vocabulary) argmax at each
     prompt position: the greedy acceptance probability of a first draft token on held-out text (no generation)."""
-    drafter = drafter or make_drafter("default", target)
+    drafter = drafter or make_drafter(str(PACKAGE_DRAFT_DIR), target)
     equal = positions = 0
     for text in texts:
         ids = target.tokenizer(text, return_tensors="pt")["input_ids"]  # [1, L]
@@ -79,23 +78,23 @@ def teacher_forced_agreement(target: Any, texts: list[str], drafter: Any = None)
 
 
 def make_lane_drafter(spec: str, target: Any, tmp: Path, eagle_dir: Path | None = None) -> Any:
-    """'none' | 'default' | 'self-spec:L' (written under tmp) | 'eagle' (the head in eagle_dir) -> the drafter."""
+    """'none' | 'draft-model' (the small draft model) | 'self-spec:L' (written under tmp) | 'eagle' (the head in
+    eagle_dir, else the one shipped for the target) -> the drafter."""
     if spec == "none":
         return NoDrafter()
+    if spec == "draft-model":
+        return make_drafter(str(PACKAGE_DRAFT_DIR), target)
     if spec == "eagle":
-        if eagle_dir is None:
-            raise ValueError("the eagle lanes need the head's directory: pass --eagle DIR")
-        return make_drafter(f"eagle:{eagle_dir}", target)
+        return make_drafter("eagle" if eagle_dir is None else f"eagle:{eagle_dir}", target)
     if spec.startswith("self-spec:"):
         layers = int(spec.partition(":")[2])
         return make_drafter(str(self_speculative_dir(target, layers, tmp / f"self-spec-{layers}")), target)
     return make_drafter(spec, target)
 
 
-def choose_lanes(text: str, eagle: bool = False) -> list[str]:
-    """--lanes 'a,b' -> the lanes (default: DEFAULT_LANES, plus EAGLE_LANES with a head); ValueError naming the
-    unknown ones."""
-    chosen = [lane.strip() for lane in text.split(",") if lane.strip()] or DEFAULT_LANES + (EAGLE_LANES if eagle else [])
+def choose_lanes(text: str) -> list[str]:
+    """--lanes 'a,b' -> the lanes (default: DEFAULT_LANES); ValueError naming the unknown ones."""
+    chosen = [lane.strip() for lane in text.split(",") if lane.strip()] or DEFAULT_LANES
     unknown = sorted(set(chosen) - set(DRAFT_LANES))
     if unknown:
         raise ValueError(f"unknown lane(s) {unknown}; choose from {list(DRAFT_LANES)}")

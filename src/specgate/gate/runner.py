@@ -197,10 +197,13 @@ def default_draft_unavailable(target: str) -> str | None:
     """Why `--draft default` cannot work for `target` (None when a default draft is registered for it)."""
     from specgate.drafting.registry import DEFAULT_DRAFTS
 
+    from specgate.drafting.registry import EAGLE_PREFIX
+
     name = Path(target).name if os.sep in target else target
     if name in DEFAULT_DRAFTS:
-        where = Path(DEFAULT_DRAFTS[name])
-        if os.sep in DEFAULT_DRAFTS[name] and not (where / "config.json").is_file() and not where.is_file():
+        spec = DEFAULT_DRAFTS[name].removeprefix(EAGLE_PREFIX)
+        where = Path(spec)
+        if os.sep in spec and not any((where / f).is_file() for f in ("config.json", "eagle_config.json")) and not where.is_file():
             return f"the default draft for {target} is unavailable (its weights are not at {where} yet): continuing without it"
         return None
     known = ", ".join(sorted(DEFAULT_DRAFTS)) or "none yet"

@@ -37,7 +37,7 @@ SERVED_WEIGHTS = ("auto", "float32", "bfloat16", "gguf", "int8")  # specgate.mod
 @dataclass
 class ServerConfig:
     target: Any  # a model name / path for load_model, or a LoadedModel
-    draft: Any = "ngram"  # "none", "ngram", "default", "eagle:<dir>", a draft model name / path, or a LoadedModel
+    draft: Any = "ngram"  # "none", "ngram", "default", "eagle", "eagle:<dir>", a draft model name / path, or a LoadedModel
     host: str = "127.0.0.1"
     port: int = 8000  # 0 = any free port
     policy: str = "adaptive"
@@ -132,17 +132,16 @@ def build_engine(config: ServerConfig) -> Engine:
     dtype = draft_dtype(weights)  # a draft model's torch dtype (bf16 / float32 beside a quantized target)
     draft = config.draft
     if isinstance(draft, str):
-        from specgate.drafting.registry import resolve_eagle
+        from specgate.drafting.model_drafter import is_draft_dir
+        from specgate.drafting.registry import resolve_default, resolve_eagle
 
-        draft = resolve_eagle(draft, target.name)  # `eagle`: the head shipped for the target
-    if draft == "default":  # the target's registered draft model (ValueError naming the options if none)
+        # `default`: the target's registered draft (ValueError naming the options if none); `eagle`: its shipped head
+        draft = resolve_eagle(resolve_default(draft, target.name), target.name)
+    if isinstance(draft, str) and (draft.startswith("eagle:") or is_draft_dir(draft)):  # checked against the target
         from specgate.drafting import make_drafter
 
-        draft = make_drafter("default", target, dtype=dtype).draft
-    elif isinstance(draft, str) and draft.startswith("eagle:"):  # an EAGLE head, checked against the target
-        from specgate.drafting import make_drafter
-
-        draft = make_drafter(draft, target).head
+        drafter = make_drafter(draft, target, dtype=dtype)
+        draft = drafter.head if draft.startswith("eagle:") else drafter.draft
     elif isinstance(draft, str) and draft not in ("none", "ngram"):
         draft = load_model(draft, dtype=dtype)
     cost_model = None
