@@ -268,7 +268,7 @@ def evaluate(head: eagle.EagleHead, heldout: dict[str, Any], prompt_len: int, co
 DEFAULT_LIMITS = [
     "held-out acceptance is the teacher-forced greedy proxy (eagle.chain_acceptance), not an end-to-end measurement",
     "reads the target's final-norm state only",
-    "drafts over the default draft's reduced vocabulary (d2t); other tokens are never drafted (the target still emits them)",
+    "drafts over the small draft model's reduced vocabulary (d2t); other tokens are never drafted (the target still emits them)",
 ]
 
 

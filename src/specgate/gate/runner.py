@@ -195,9 +195,7 @@ def gpu_memory_mib(pid: int | None = None) -> dict[str, float] | None:
 
 def default_draft_unavailable(target: str) -> str | None:
     """Why `--draft default` cannot work for `target` (None when a default draft is registered for it)."""
-    from specgate.drafting.registry import DEFAULT_DRAFTS
-
-    from specgate.drafting.registry import EAGLE_PREFIX
+    from specgate.drafting.registry import DEFAULT_DRAFTS, EAGLE_PREFIX
 
     name = Path(target).name if os.sep in target else target
     if name in DEFAULT_DRAFTS:
