@@ -273,7 +273,7 @@ def test_nan_logits_fail_one_request_while_a_concurrent_one_is_served(tiny_path)
         handle.stop()
 
 
-CLOSED = (httpx.ConnectError, httpx.RemoteProtocolError)  # refused, or queued and reset as the socket closed
+CLOSED = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)  # refused, or queued and reset as the socket closed
 
 
 def refusing(url: str) -> bool:
