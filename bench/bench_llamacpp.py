@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96, help="new tokens per decode-lane request")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--gamma", type=int, default=8, help="n-gram draft length for both engines (specgate adaptive: its largest)")
+    parser.add_argument("--head-gamma", type=int, default=0, help="> 0: add a decode lane with specgate's EAGLE head (--draft default) at this draft length")
     parser.add_argument("--served-tokens", type=int, default=64, help="max_tokens per served request")
     parser.add_argument("--concurrency", default="1,4,16", help="served levels (comma-separated); empty: no served lanes")
     parser.add_argument("--requests-per-client", type=int, default=2, help="served requests per level = C x this (at least 4)")
@@ -34,7 +35,7 @@ def main() -> None:
     gguf = Path(args.gguf) if args.gguf else default_gguf_path()
     results: dict = {}
     if not args.no_decode:
-        results["decode"] = method.run_decode(gguf, args.threads, args.tokens, args.rounds, args.gamma)
+        results["decode"] = method.run_decode(gguf, args.threads, args.tokens, args.rounds, args.gamma, head_gamma=args.head_gamma)
         print(f"GGUF {gguf.name}, {args.threads} threads, greedy, {args.tokens} new tokens, "
               f"{len(method.DECODE_PROMPTS)} prompts x {args.rounds} rounds (medians)")
         print("\n".join(method.decode_lines(results["decode"])))

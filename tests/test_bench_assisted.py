@@ -106,3 +106,22 @@ def test_a_token_outside_the_draft_vocabulary_below_the_fallback_is_refused(tiny
     with pytest.raises(ValueError, match="below its fallback token 3"):
         expand_draft_vocabulary(drafter, tiny_target, tmp_path / "full")
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["vocab_size"] == 64
+
+
+def test_head_lanes_run_in_specgate_only_and_pair_with_the_assisted_lanes(tiny_target, reduced_draft):
+    """assisted_lanes(head=...) adds one own lane per gamma with that drafter (transformers cannot load a head on
+    hidden states), paired with transformers' assisted lane of the same gamma, its greedy and its defaults; the
+    lane runs the drafter for real and its greedy tokens equal the own baseline's."""
+    from specgate.bench.assisted import HF_DEFAULTS_LANE, assisted_lanes
+
+    lanes, pairs, same_draft = assisted_lanes(tiny_target, None, reduced_draft, reduced_draft, None, [2, 3], True, head=reduced_draft)
+    assert [lane for lane in lanes if "head" in lane] == ["own EAGLE head g2", "own EAGLE head g3"]
+    for g in (2, 3):
+        assert {(f"own EAGLE head g{g}", f"transformers assisted full-vocab copy g{g}"), (f"own EAGLE head g{g}", "transformers greedy"),
+                (f"own EAGLE head g{g}", HF_DEFAULTS_LANE)} <= set(pairs)
+    assert not any("head" in a or "head" in b for a, b in same_draft)
+    prompt = [5, 9, 17, 33, 65, 129]
+    run, baseline = lanes["own EAGLE head g3"](prompt, 12), lanes["own baseline"](prompt, 12)
+    assert run["tokens"] == baseline["tokens"] and run["drafted"] > 0
+    without, _, _ = assisted_lanes(tiny_target, None, reduced_draft, reduced_draft, None, [2], True)
+    assert not any("head" in lane for lane in without)

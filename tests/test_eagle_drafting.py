@@ -170,7 +170,7 @@ def test_a_proposal_is_the_heads_greedy_chain_on_the_target_features(target):
     head = random_head(target.model, seed=4)
     ids = torch.randint(4, 512, (9,), generator=torch.Generator().manual_seed(2))
     feats = prompt_features(target.model, ids)  # [L, H]
-    drafter = EagleDrafter(head, target)
+    drafter = EagleDrafter(head, target, stop_below=0.0)  # every chain gamma long
     drafter.begin(ids, GREEDY, None, 20)
     drafter.observe_features(0, feats[:-1])
     proposal = drafter.propose(ids, 4)
@@ -183,17 +183,55 @@ def test_a_proposal_is_the_heads_greedy_chain_on_the_target_features(target):
     assert proposal.tokens.tolist() == by_hand.tolist() and proposal.draft_probs is None and proposal.forward_passes == 4
 
 
+def test_a_chain_stops_where_the_product_of_top1_probabilities_falls_below_stop_below(target):
+    """The chain drafts token k+1 only while c_1 * ... * c_k >= stop_below (c_j: the head's top-1 probability at
+    draft j); what it drafts is a prefix of the full greedy chain. Thresholds between the products of a chain
+    computed by hand give every length from 1 to gamma; one a hair above a product drafts one token fewer."""
+    head = random_head(target.model, seed=4)
+    with torch.no_grad():
+        head.rows.mul_(5.0)  # sharper logits: top-1 probabilities spread over (0, 1) instead of ~1/V_d (argmax unchanged)
+    ids = torch.randint(4, 512, (9,), generator=torch.Generator().manual_seed(2))
+    feats = prompt_features(target.model, ids)
+    L, gamma = ids.numel(), 5
+    with torch.no_grad():
+        projected = head.project_target(feats[None, :, None])
+    step, cache = eagle.drafting_step(head), head.new_cache(1, 20)
+    logits, out = step(ids[None, 1:], projected[:, : L - 1], torch.arange(L - 1)[None], cache, torch.tensor([0]))  # rows 0..L-2
+    logits, out, chain, products, product = logits[0, -1], out[0, -1], [], [], 1.0
+    for offset in range(gamma):  # the full greedy chain by hand, with its running products
+        product *= float(torch.softmax(logits, -1).max())
+        chain.append(int(head.d2t[logits.argmax()]))
+        products.append(product)
+        logits, out = step(torch.tensor([[chain[-1]]]), out.view(1, 1, -1), torch.tensor([[L - 1 + offset]]), cache, torch.tensor([0]))
+        logits, out = logits[0, -1], out[0, -1]
+    assert sum(products[k - 1] > products[k] * 1.01 for k in range(1, gamma)) >= 3  # the sharpened head spreads its confidences
+
+    def drafted(stop_below: float) -> list[int]:
+        drafter = EagleDrafter(head, target, stop_below=stop_below)
+        drafter.begin(ids, GREEDY, None, 20)
+        drafter.observe_features(0, feats[:-1])
+        return drafter.propose(ids, gamma).tokens.tolist()
+
+    assert drafted(0.0) == chain
+    for k in range(1, gamma):  # products[k - 1] >= threshold > products[k]: k + 1 tokens
+        if products[k - 1] > products[k] * 1.01:  # well apart (the drafter multiplies in float32)
+            assert drafted((products[k - 1] * products[k]) ** 0.5) == chain[: k + 1]
+            assert drafted(min(products[k - 1] * 1.0001, 0.999)) == chain[:k]
+    with pytest.raises(ValueError, match="stop_below"):
+        EagleDrafter(head, target, stop_below=1.0).begin(ids, GREEDY, None, 20)
+
+
 def test_rejected_drafts_need_no_undo(target):
     """After a proposal whose drafts were rejected, the next one (the new states observed) equals a fresh drafter's."""
     head = random_head(target.model, seed=5)
     ids = torch.randint(4, 512, (14,), generator=torch.Generator().manual_seed(3))
     feats = prompt_features(target.model, ids)
-    used = EagleDrafter(head, target)
+    used = EagleDrafter(head, target, stop_below=0.0)
     used.begin(ids[:8], GREEDY, None, 24)
     used.observe_features(0, feats[:7])
     used.propose(ids[:8], 5)  # drafts at rows 7..10, then "rejected": the output went on as ids[8:11]
     used.observe_features(7, feats[7:10])  # the verification's states: the last committed token + 2 accepted
-    fresh = EagleDrafter(head, target)
+    fresh = EagleDrafter(head, target, stop_below=0.0)
     fresh.begin(ids[:11], GREEDY, None, 24)
     fresh.observe_features(0, feats[:10])
     assert used.propose(ids[:11], 4).tokens.tolist() == fresh.propose(ids[:11], 4).tokens.tolist()
@@ -206,7 +244,7 @@ def test_sampled_q_is_the_heads_processed_softmax_on_the_target_vocabulary(targe
     params = SamplingParams(temperature=0.8, top_k=20)
     ids = torch.randint(4, 512, (7,), generator=torch.Generator().manual_seed(4))
     feats = prompt_features(target.model, ids)
-    drafter = EagleDrafter(head, target)
+    drafter = EagleDrafter(head, target, stop_below=0.0)
     drafter.begin(ids, params, torch.Generator().manual_seed(0), 16)
     drafter.observe_features(0, feats[:-1])
     proposal = drafter.propose(ids, 3)

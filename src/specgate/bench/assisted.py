@@ -13,7 +13,9 @@ The benchmark (bench/bench_assisted.py): per prompt, interleaved (the order rota
 warm-up of every lane: own baseline (gamma 0) | transformers greedy | per gamma: own lane with the full-vocabulary
 copy, transformers `assistant_model=` the same copy with num_assistant_tokens=gamma, schedule "constant" and the
 confidence stop off (exactly gamma drafts a round, like the own lane) | transformers with its own assisted defaults
-(20 tokens, stop below confidence 0.4) | own lane with the reduced draft per gamma. Wall time around each call,
+(20 tokens, stop below confidence 0.4) | own lane with the reduced draft per gamma | own lane with the EAGLE head
+(`--draft default`) per gamma, which transformers cannot load (a head on the target's hidden states is not an
+assistant model), paired with transformers' assisted lanes and its greedy. Wall time around each call,
 tokenisation outside it, prefill inside. alpha = accepted / (accepted + rejections), AL = (accepted + rounds) /
 rounds, for transformers from its candidate generator's per-round (drafted, matched) counts. Ratios: median over
 prompts of the per-prompt ratio.
@@ -122,9 +124,11 @@ def hf_assisted_lane(model: Any, assistant: Any, num_tokens: int, confidence_thr
 
 
 def assisted_lanes(target: Any, hf_target: Any, reduced: Any, full: Any, hf_assistant: Any, gammas: list[int],
-                   hf_defaults: bool = True) -> tuple[dict[str, Callable], list[tuple[str, str]], list[tuple[str, str]]]:
+                   hf_defaults: bool = True, head: Any = None) -> tuple[dict[str, Callable], list[tuple[str, str]], list[tuple[str, str]]]:
     """(lane -> run(prompt_ids, max_new_tokens), the (own, theirs) pairs whose speed ratio is reported, the pairs that
-    must draft alike)."""
+    must draft alike). head: the EAGLE drafter (`--draft default`), run by specgate only: transformers' assistant
+    is a model over token ids and cannot read the target's hidden states, so its lanes are paired with the
+    assisted draft-model lanes, the best transformers can run on this target."""
     lanes: dict[str, Callable] = {"own baseline": lambda p, n: own_lane(target, NoDrafter(), 0, p, n),
                                   "transformers greedy": lambda p, n: hf_lane(hf_target, p, n)}
     pairs, same_draft = [("own baseline", "transformers greedy")], []
@@ -141,19 +145,26 @@ def assisted_lanes(target: Any, hf_target: Any, reduced: Any, full: Any, hf_assi
     if hf_defaults:
         for g in gammas:
             pairs += [(f"own full-vocab copy g{g}", HF_DEFAULTS_LANE), (f"own reduced default draft g{g}", HF_DEFAULTS_LANE)]
+    if head is not None:
+        for g in gammas:
+            lanes[f"own EAGLE head g{g}"] = lambda p, n, g=g: own_lane(target, head, g, p, n)
+            pairs += [(f"own EAGLE head g{g}", f"transformers assisted full-vocab copy g{g}"), (f"own EAGLE head g{g}", "transformers greedy")]
+            if hf_defaults:
+                pairs.append((f"own EAGLE head g{g}", HF_DEFAULTS_LANE))
     return lanes, pairs, same_draft
 
 
-def load_assisted(target_name: str, dtype: torch.dtype, gammas: list[int], hf_defaults: bool = True):
-    """The target in both libraries, the reduced default draft and its full-vocabulary copy (written to a temporary
-    directory, removed once loaded) in both: (target, assisted_lanes(...))."""
+def load_assisted(target_name: str, dtype: torch.dtype, gammas: list[int], hf_defaults: bool = True, with_head: bool = True):
+    """The target in both libraries, the small draft model and its full-vocabulary copy (written to a temporary
+    directory, removed once loaded) in both, and (with_head, where the registry's default is one) the EAGLE head in
+    specgate: (target, assisted_lanes(...))."""
     import shutil
     import tempfile
 
     from transformers import AutoModelForCausalLM
 
     from specgate.drafting import make_drafter
-    from specgate.drafting.registry import DRAFT_MODEL_DIRS
+    from specgate.drafting.registry import DEFAULT_DRAFTS, DRAFT_MODEL_DIRS, EAGLE_PREFIX
     from specgate.models import load_model
 
     target = load_model(target_name, dtype=dtype)
@@ -166,7 +177,10 @@ def load_assisted(target_name: str, dtype: torch.dtype, gammas: list[int], hf_de
         hf_assistant = AutoModelForCausalLM.from_pretrained(str(full_dir), dtype=dtype, local_files_only=True).eval()
     finally:
         shutil.rmtree(tmp)  # every model is in memory now
-    return target, assisted_lanes(target, hf_target, reduced, full, hf_assistant, gammas, hf_defaults)
+    head = None
+    if with_head and DEFAULT_DRAFTS.get(target.name, "").startswith(EAGLE_PREFIX):
+        head = make_drafter("default", target, dtype=dtype)
+    return target, assisted_lanes(target, hf_target, reduced, full, hf_assistant, gammas, hf_defaults, head)
 
 
 def progress_line(row: dict[str, Any]) -> str:

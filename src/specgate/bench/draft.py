@@ -35,10 +35,13 @@ DRAFT_LANES = {
     "self-spec 6L g2": ("self-spec:6", 2, 0.0),
     "baseline T=1": ("none", 0, 1.0),
     "draft-model g3 T=1": ("draft-model", 3, 1.0),
-    "eagle g2": ("eagle", 2, 0.0),  # the EAGLE head: --eagle DIR, else the one shipped (`--draft default`)
-    "eagle g3": ("eagle", 3, 0.0),
-    "eagle g4": ("eagle", 4, 0.0),
-    "eagle g3 T=1": ("eagle", 3, 1.0),
+    "eagle g3": ("eagle", 3, 0.0),  # the EAGLE head: --eagle DIR, else the one shipped (`--draft default`)
+    "eagle g4": ("eagle", 4, 0.0),  # chains stop early where the head is unsure (eagle_drafter.STOP_BELOW)
+    "eagle g6": ("eagle", 6, 0.0),
+    "eagle g8": ("eagle", 8, 0.0),
+    "eagle g4 fixed": ("eagle-fixed", 4, 0.0),  # every chain gamma long (stop_below 0)
+    "eagle g6 T=1": ("eagle", 6, 1.0),
+    "eagle g4 fixed T=1": ("eagle-fixed", 4, 1.0),
 }
 DEFAULT_LANES = [lane for lane in DRAFT_LANES if not lane.startswith("self-spec")]
 
@@ -84,8 +87,11 @@ def make_lane_drafter(spec: str, target: Any, tmp: Path, eagle_dir: Path | None 
         return NoDrafter()
     if spec == "draft-model":
         return make_drafter(str(PACKAGE_DRAFT_DIR), target)
-    if spec == "eagle":
-        return make_drafter("eagle" if eagle_dir is None else f"eagle:{eagle_dir}", target)
+    if spec in ("eagle", "eagle-fixed"):
+        drafter = make_drafter("eagle" if eagle_dir is None else f"eagle:{eagle_dir}", target)
+        if spec == "eagle-fixed":
+            drafter.stop_below = 0.0
+        return drafter
     if spec.startswith("self-spec:"):
         layers = int(spec.partition(":")[2])
         return make_drafter(str(self_speculative_dir(target, layers, tmp / f"self-spec-{layers}")), target)

@@ -5,6 +5,9 @@ Decode lanes (one request at a time, greedy, N new tokens per prompt):
   --spec-type none / ngram-simple; decode tok/s = its own timings.predicted_per_second, end to end = wall time.
 - specgate target-only and n-gram: specgate.engine.generate in this process on the GGUF's own quantized blocks
   (--dtype gguf); decode tok/s = new tokens / (wall - prefill), end to end = wall.
+- specgate EAGLE head (`--draft default` where the target's default is a head; head_gamma > 0): llama.cpp has no
+  lane for it (llama-server's draft lanes load a second GGUF model over token ids, not a head on the target's
+  hidden states), so it is compared with llama.cpp's best lane.
 Also the cost of a verification forward of 5 (and 9) tokens over a 1-token step of specgate's model, and whether
 each n-gram lane's greedy output equals its own target-only output (specgate guarantees it; llama.cpp does not).
 
@@ -133,13 +136,15 @@ def specgate_served(port: int, prompt: str, tokens: int) -> dict:
     return {"text": result["choices"][0]["text"], "tokens": result["usage"]["completion_tokens"]}
 
 
-def specgate_complete(model, prompt: str, tokens: int, gamma: int) -> dict:
-    """One greedy request through specgate.engine.generate in this process (n-gram drafts when gamma > 0)."""
+def specgate_complete(model, prompt: str, tokens: int, gamma: int, drafter: Any = None) -> dict:
+    """One greedy request through specgate.engine.generate in this process (drafter, default: n-gram drafts when
+    gamma > 0)."""
     from specgate.drafting import NgramDrafter, NoDrafter
     from specgate.engine import generate
     from specgate.sampling import SamplingParams
 
-    drafter = NgramDrafter() if gamma else NoDrafter()
+    if drafter is None:
+        drafter = NgramDrafter() if gamma else NoDrafter()
     result = generate(prompt, model, drafter, gamma, SamplingParams(temperature=0.0), max_new_tokens=tokens, eos_ids=set())
     stats = result.stats
     return {"text": result.text, "tokens": result.tokens,
@@ -246,20 +251,30 @@ def verify_ratio(model, widths=(1, 5, 9), repeats: int = 20) -> dict[int, float]
     return {w: statistics.median(t) for w, t in times.items()}
 
 
-def run_decode(gguf: Path, threads: int, tokens: int, rounds: int, gamma: int, port: int = 18391) -> dict[str, Any]:
-    """The decode lanes, prompt by prompt, lanes in turn (reversed every second round); medians and raw values."""
+def run_decode(gguf: Path, threads: int, tokens: int, rounds: int, gamma: int, port: int = 18391, head_gamma: int = 0) -> dict[str, Any]:
+    """The decode lanes, prompt by prompt, lanes in turn (reversed every second round); medians and raw values.
+    head_gamma > 0 adds the "specgate EAGLE head" lane: the model's `--draft default` head at that draft length."""
     import torch
 
+    from specgate.drafting import make_drafter
+    from specgate.drafting.registry import EAGLE_PREFIX, resolve_default
     from specgate.engines import llamacpp
     from specgate.models import load_model
 
     torch.set_num_threads(threads)
     binary = llamacpp.binary_path("llama-server")
-    model = load_model(str(gguf), dtype="gguf")
+    from specgate.models.loading import DEFAULT_MODEL, default_gguf_path
+
+    model = load_model(DEFAULT_MODEL if gguf == default_gguf_path() else str(gguf), dtype="gguf")  # the registry knows the default by name
     servers = [start_llama(binary, gguf, port, threads, []),
                start_llama(binary, gguf, port + 1, threads, ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(gamma)])]
     lanes = {"llama.cpp": lambda p: llama_complete(port, p, tokens), "specgate": lambda p: specgate_complete(model, p, tokens, 0),
              "llama.cpp ngram": lambda p: llama_complete(port + 1, p, tokens), "specgate ngram": lambda p: specgate_complete(model, p, tokens, gamma)}
+    if head_gamma > 0:
+        if not resolve_default("default", model.name).startswith(EAGLE_PREFIX):
+            raise ValueError(f"head_gamma={head_gamma}: {model.name}'s --draft default is not an EAGLE head: use head_gamma=0")
+        head = make_drafter("default", model)
+        lanes["specgate EAGLE head"] = lambda p: specgate_complete(model, p, tokens, head_gamma, head)
     raw: dict[str, dict[str, list]] = {lane: {"decode_tps": [], "e2e_tps": [], "same_as_target_only": []} for lane in lanes}
     try:
         for run in lanes.values():  # warm-up, one short request each
@@ -273,6 +288,8 @@ def run_decode(gguf: Path, threads: int, tokens: int, rounds: int, gamma: int, p
                 for engine in ("llama.cpp", "specgate"):
                     key = "text" if engine == "llama.cpp" else "tokens"
                     raw[f"{engine} ngram"]["same_as_target_only"].append(outputs[f"{engine} ngram"][key] == outputs[engine][key])
+                if "specgate EAGLE head" in outputs:
+                    raw["specgate EAGLE head"]["same_as_target_only"].append(outputs["specgate EAGLE head"]["tokens"] == outputs["specgate"]["tokens"])
         forward_ms = verify_ratio(model)
     finally:
         stop(servers)
@@ -303,8 +320,11 @@ def decode_lines(result: dict[str, Any]) -> list[str]:
     summary, forward_ms, raw = result["summary"], result["forward_ms"], result["raw"]
     lines = ["| lane | decode tok/s (median) | pooled decode tok/s | end-to-end tok/s | same output as target-only |", "|---|---|---|---|---|"]
     lines += [f"| {lane} | {s['decode_tps']:.1f} | {s['pooled_tps']:.1f} | {s['e2e_tps']:.1f} | {s['same_as_target_only']} |" for lane, s in summary.items()]
-    ratios = [(name, *pooled_ratio(raw[ours]["decode_tps"], raw[theirs]["decode_tps"]))
-              for name, ours, theirs in (("target-only", "specgate", "llama.cpp"), ("n-gram", "specgate ngram", "llama.cpp ngram"))]
+    pairs = [("target-only", "specgate", "llama.cpp"), ("n-gram", "specgate ngram", "llama.cpp ngram")]
+    if "specgate EAGLE head" in raw:
+        best = max(("llama.cpp", "llama.cpp ngram"), key=lambda lane: summary[lane]["pooled_tps"])
+        pairs.append((f"EAGLE head / {best}", "specgate EAGLE head", best))
+    ratios = [(name, *pooled_ratio(raw[ours]["decode_tps"], raw[theirs]["decode_tps"])) for name, ours, theirs in pairs]
     lines.append("specgate / llama.cpp pooled decode: " + ", ".join(f"{name} {r:.2f}x [{lo:.2f}-{hi:.2f}]" for name, r, lo, hi in ratios))
     lines.append("specgate forward ms by tokens: " + ", ".join(f"{w}: {ms:.1f}" for w, ms in forward_ms.items())
                  + f" (5 / 1 = {forward_ms[5] / forward_ms[1]:.2f}x, 9 / 1 = {forward_ms[9] / forward_ms[1]:.2f}x)")

@@ -29,6 +29,11 @@ from specgate.drafting.base import DraftProposal, Drafter
 from specgate.drafting.eagle import FEATURE_FINAL_NORM, EagleHead, drafting_step
 from specgate.drafting.model_drafter import sample_draft
 
+# A chain stops once the product of the head's top-1 probabilities along it falls below this: the next draft would
+# likely be rejected, and a rejected draft costs a head step and a verified position for nothing. gamma is then the
+# longest chain. Exact whatever the rule: a chain's length depends only on the drafts so far, never on the target.
+STOP_BELOW = 0.3
+
 # sample(logits `# [B', V_d]`, request indices [B']) -> (tokens `# [B']` target ids, q: B' rows `# [V_t]` (None for a
 # greedy row), or None when every row is greedy)
 Sampler = Callable[[Tensor, list[int]], tuple[Tensor, Tensor | None]]
@@ -63,18 +68,23 @@ class HeadState:
 
 class EagleProposer:
     """Draft with the head for many requests at once: one head KV cache of num_slots slots, positions absolute.
+    Each chain is up to gamma long and stops early where the head is unsure (stop_below; 0: always gamma).
 
     `wants_features`: the scheduler keeps a HeadState per request (new_state) and feeds it the target's states.
     """
 
     wants_features = True
 
-    def __init__(self, head: EagleHead, target_vocab_size: int, num_slots: int, max_seq_len: int, name: str = "eagle") -> None:
+    def __init__(self, head: EagleHead, target_vocab_size: int, num_slots: int, max_seq_len: int, name: str = "eagle",
+                 stop_below: float = STOP_BELOW) -> None:
         check_runtime_features(head)
+        if not 0.0 <= stop_below < 1.0:
+            raise ValueError(f"stop_below={stop_below}: use a probability in [0, 1) (0: every chain drafts gamma tokens)")
         self.head, self.name = head, name
         self.target_vocab_size, self.max_seq_len = int(target_vocab_size), int(max_seq_len)
         self.cache = head.new_cache(num_slots, max_seq_len)
         self.step = drafting_step(head)  # the C kernels' step where they run
+        self.stop_below = float(stop_below)
 
     def new_state(self) -> HeadState:
         return HeadState(torch.zeros(self.max_seq_len, self.head.config.hidden_size))
@@ -114,10 +124,11 @@ class EagleProposer:
         if not rows:
             return tokens, probs
         logits, out = self._catch_up([slots[i] for i in rows], [states[i] for i in rows], [contexts[i] for i in rows])
+        confidence = torch.ones(len(rows))  # [B'] the head's own estimate that the chain so far is accepted
         for step in range(max(gammas[i] for i in rows)):
             finite = torch.isfinite(logits).all(dim=-1)  # [B']: NaN/inf head logits end a row's chain
             if not bool(finite.all()):
-                rows, logits, out = [i for i, ok in zip(rows, finite.tolist()) if ok], logits[finite], out[finite]
+                rows, logits, out, confidence = [i for i, ok in zip(rows, finite.tolist()) if ok], logits[finite], out[finite], confidence[finite]
                 if not rows:
                     break
             drafted, q = sample(logits, rows)  # [B'], [B', V_t] or None
@@ -126,9 +137,12 @@ class EagleProposer:
                 if q is not None and q[k] is not None:
                     probs[i].append(q[k])
             more = [k for k, i in enumerate(rows) if step + 1 < gammas[i]]
+            if self.stop_below > 0 and more:
+                confidence = confidence * torch.softmax(logits.float(), -1).amax(-1)  # [B'] product of top-1 probabilities
+                more = [k for k in more if float(confidence[k]) >= self.stop_below]
             if not more:
                 break
-            rows = [rows[k] for k in more]
+            rows, confidence = [rows[k] for k in more], confidence[more]
             positions = torch.tensor([[contexts[i].numel() - 1 + step] for i in rows])  # [B', 1]
             chosen = torch.tensor(more)
             logits, out = self.step(drafted[chosen][:, None], out[chosen][:, None], positions, self.cache, torch.tensor([slots[i] for i in rows]))
@@ -168,9 +182,9 @@ class EagleDrafter(Drafter):
 
     wants_features = True
 
-    def __init__(self, head: EagleHead, target: Any, name: str = "eagle") -> None:
+    def __init__(self, head: EagleHead, target: Any, name: str = "eagle", stop_below: float = STOP_BELOW) -> None:
         check_runtime_features(head)
-        self.head, self.target, self.name = head, target, name
+        self.head, self.target, self.name, self.stop_below = head, target, name, float(stop_below)
         self.target_vocab_size = int(target.model.vocab_size)
 
     def begin(self, prompt_ids, params, generator, max_seq_len) -> None:
@@ -178,7 +192,7 @@ class EagleDrafter(Drafter):
         limit = int(self.head.config.max_position_embeddings)
         if max_seq_len > limit:
             raise ValueError(f"the request needs {max_seq_len} positions but the EAGLE head supports {limit}: lower max_new_tokens or shorten the prompt")
-        self.proposer = EagleProposer(self.head, self.target_vocab_size, 1, max_seq_len, self.name)
+        self.proposer = EagleProposer(self.head, self.target_vocab_size, 1, max_seq_len, self.name, self.stop_below)
         self.state = self.proposer.new_state()
 
     def observe_features(self, start: int, features: Tensor) -> None:
@@ -203,7 +217,7 @@ class EagleDrafter(Drafter):
         positions = torch.arange(length)[None].expand(unique.shape[0], length)  # [U, T]
         hidden = model.forward(unique, positions, cache, torch.arange(unique.shape[0]), logits=False, return_hidden=True).float()  # [U, T, H]
         states = [HeadState(hidden[u], known=length - 1) for u in inverse.tolist()]  # shared views, never written
-        proposer = EagleProposer(self.head, self.target_vocab_size, batch, length + gamma, self.name)
+        proposer = EagleProposer(self.head, self.target_vocab_size, batch, length + gamma, self.name, stop_below=0.0)  # gamma each
 
         def sample(logits: Tensor, rows: list[int]) -> tuple[Tensor, Tensor | None]:
             return sample_draft(logits, params, generator, self.head.d2t, self.target_vocab_size)
