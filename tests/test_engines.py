@@ -41,7 +41,11 @@ def test_a_half_built_engine_never_counts_as_installed(cache):
     manifest = {"engine": "llama.cpp", "version": "0.0.0-other"}
     llamacpp.manifest_path().write_text(json.dumps(manifest))
     assert not llamacpp.is_installed()  # another version's manifest
-    llamacpp.manifest_path().write_text(json.dumps({**manifest, "version": llamacpp.SDIST_VERSION}))
+    llamacpp.manifest_path().write_text(json.dumps({**manifest, "version": llamacpp.SDIST_VERSION, "cmake_flags": ["-DGGML_NATIVE=ON"]}))
+    assert not llamacpp.is_installed()  # built with other flags (before AMX was left out): built again
+    with pytest.raises(llamacpp.EngineNotInstalled, match="other build flags"):
+        llamacpp.binary_path()
+    llamacpp.manifest_path().write_text(json.dumps({**manifest, "version": llamacpp.SDIST_VERSION, "cmake_flags": llamacpp.CMAKE_FLAGS}))
     assert llamacpp.is_installed() and llamacpp.binary_path() == binary
     stages = []
     assert llamacpp.install(progress=lambda stage, fraction: stages.append((stage, fraction))) == binary  # reused, not rebuilt

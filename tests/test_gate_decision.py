@@ -146,6 +146,11 @@ def test_analysis_agrees_with_closed_forms_for_alpha_c_speedup_and_alpha_min():
     assert ranges[0][:2] == [1, 1] and ranges[1][:2] == [2, 4] and ranges[-1] == [5, 8, 0]
     assert s["tensorrt_llm"]["draft_len_schedule"]["8"] == 0 and "--speculative-num-steps" in s["sglang_flags"]
     assert s["specgate"].startswith("--policy table --gamma-table '1-1:")
+    head = decision.schedule_exports(a, "default", max_num_seqs=8, head=decision.is_specgate_head("default", "gemma-3-270m"))
+    assert head["vllm_speculative_config"] is None and head["sglang_flags"] == [] and head["tensorrt_llm"] is None
+    assert "not a checkpoint vLLM" in head["sglang_note"] and "eagle3:PATH" in head["sglang_note"] and head["specgate"] == s["specgate"]
+    assert decision.is_specgate_head("eagle:/x/head", None) and not decision.is_specgate_head("ngram", "gemma-3-270m")
+    assert not decision.is_specgate_head("default", "another-model") and not decision.is_specgate_head("/drafts/small", "gemma-3-270m")
     spec["sweep"][1]["output_tokens_per_s"] = 50.0  # stops paying at 4 -> gamma 0 there
     a = decision.analyse(baseline, spec)
     assert a["paying_range"] == [1, 1] and a["per_concurrency"][1]["recommended_gamma"] == 0

@@ -3,14 +3,15 @@
 Prompts are held out of the draft's training text (workloads.held_out_prompts). Each prompt runs once per lane,
 lanes interleaved prompt by prompt (background load hits every lane alike), after one warm-up of every lane.
 Lanes (DRAFT_LANES; temperature 0 unless named): own baseline; the small draft model (registry.DRAFT_MODEL_DIRS)
-at gamma 1, 2, 3; the EAGLE head (`--draft default`: the one shipped, or --eagle DIR) at gamma 2, 3, 4; the
+at gamma 1, 2, 3; the EAGLE head (`--draft default`: the one shipped, or --eagle DIR) at gamma 3, 4, 6, 8 (its
+chains stop where the head is unsure: gamma is the longest) and with every chain gamma long ("fixed", gamma 4); the
 self-speculative candidate (the target's first 6 layers + final norm + the same reduced head, untrained) at gamma 2
-(only when named: its alpha is near 0); at temperature 1 the baseline, the draft model and the head at gamma 3 (the
-same seeds); transformers' greedy generate() on the same weights.
+(only when named: its alpha is near 0); at temperature 1 the baseline, the draft model at gamma 3 and the head at
+gamma 6 and fixed 4 (the same seeds); transformers' greedy generate() on the same weights.
 
 Speedup = baseline wall time / lane wall time summed over a category's prompts (tokens per second), prefill
 included; decode_speedup leaves the (identical) prefill out of both. alpha, c, AL come from the engine's counters;
-theory_speedup is Leviathan's S(alpha, gamma, c) from the measured alpha and c.
+theory_speedup is Leviathan's S(alpha, gamma, c) from the measured alpha and c (it takes every chain gamma long).
 """
 
 from __future__ import annotations

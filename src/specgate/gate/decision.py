@@ -159,8 +159,22 @@ def _contiguous_from_start(rows: list[dict]) -> list[int] | None:
     return [paying[0], paying[-1]] if paying else None
 
 
-def schedule_exports(analysis: dict, draft: str, max_num_seqs: int) -> dict[str, Any]:
-    """The recommended per-concurrency gamma as vLLM / SGLang / TensorRT-LLM / specgate settings."""
+HEAD_NOTE = ("specgate's EAGLE head (its own format: one layer on the target's final-norm state) is not a checkpoint vLLM, "
+             "SGLang or TensorRT-LLM can load: there, use a head in their format (EAGLE-3) and measure it with "
+             "`specgate gate --engine vllm --spec eagle3:PATH`")
+
+
+def is_specgate_head(draft: str, target: str | None) -> bool:
+    """True for a specgate EAGLE head: eagle / eagle:DIR, or `default` where the target's default is one."""
+    from specgate.drafting.registry import DEFAULT_DRAFTS, EAGLE_PREFIX
+
+    name = (target or "").rstrip("/").rsplit("/", 1)[-1]
+    return draft == "eagle" or draft.startswith(EAGLE_PREFIX) or (draft == "default" and DEFAULT_DRAFTS.get(name, "").startswith(EAGLE_PREFIX))
+
+
+def schedule_exports(analysis: dict, draft: str, max_num_seqs: int, head: bool = False) -> dict[str, Any]:
+    """The recommended per-concurrency gamma as vLLM / SGLang / TensorRT-LLM / specgate settings. head: the draft is
+    a specgate EAGLE head (is_specgate_head), which only specgate runs: the other engines' settings are None / []."""
     rows = analysis["per_concurrency"]
     ranges, lo = [], 1
     for row in rows:
@@ -187,6 +201,9 @@ def schedule_exports(analysis: dict, draft: str, max_num_seqs: int) -> dict[str,
         sglang[2:2] = ["--speculative-draft-model-path", draft]
     trt = {"draft_len_schedule": {str(r[1]): r[2] for r in ranges}, "max_concurrency": max((r[1] for r in paying), default=0)}
     table = ",".join(f"{a}-{b}:{g}" for a, b, g in ranges)
+    if head:
+        return {"table": ranges, "vllm_speculative_config": None, "sglang_flags": [], "sglang_note": HEAD_NOTE, "tensorrt_llm": None,
+                "specgate": f"--policy table --gamma-table '{table}'" if table else "--policy off"}
     return {
         "table": ranges, "vllm_speculative_config": vllm,
         "sglang_flags": sglang, "sglang_note": "SGLang has no batch-size table: these flags fit the paying range; cap "

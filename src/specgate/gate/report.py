@@ -81,7 +81,8 @@ def build_report(options: Any, plan: Any, results: dict[str, dict], scored: dict
         configs[name] = {
             "verdict": verdict, "engine": spec.get("engine"), "command": spec.get("command"), "acceptance": acceptance(spec),
             "criteria": decision.criteria_dicts(criteria), "analysis": analysis,
-            "schedule": decision.schedule_exports(analysis, spec.get("draft") or name, options.max_num_seqs),
+            "schedule": decision.schedule_exports(analysis, spec.get("draft") or name, options.max_num_seqs,
+                                                  spec.get("engine") == "specgate" and decision.is_specgate_head(spec.get("draft") or "", options.target)),
         }
         if (configs[name]["acceptance"] or {}).get("warning"):
             notes.append(f"{name}: {configs[name]['acceptance']['warning']}")
@@ -258,6 +259,8 @@ def _ms(x: float | None) -> float | None:
 
 def _schedule_text(config: dict[str, Any]) -> str:
     s = config["schedule"]
+    if s["vllm_speculative_config"] is None:  # a specgate EAGLE head: only specgate runs it
+        return "\n".join([f"specgate serve {s['specgate']}", f"# {s['sglang_note']}"])
     return "\n".join([
         f"vLLM --speculative-config '{json.dumps(s['vllm_speculative_config'])}'",
         f"SGLang: {' '.join(s['sglang_flags']) or '(no speculation)'}  # {s['sglang_note']}",
