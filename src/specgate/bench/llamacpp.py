@@ -260,11 +260,10 @@ def run_decode(gguf: Path, threads: int, tokens: int, rounds: int, gamma: int, p
     from specgate.drafting.registry import EAGLE_PREFIX, resolve_default
     from specgate.engines import llamacpp
     from specgate.models import load_model
+    from specgate.models.loading import DEFAULT_MODEL, default_gguf_path
 
     torch.set_num_threads(threads)
     binary = llamacpp.binary_path("llama-server")
-    from specgate.models.loading import DEFAULT_MODEL, default_gguf_path
-
     model = load_model(DEFAULT_MODEL if gguf == default_gguf_path() else str(gguf), dtype="gguf")  # the registry knows the default by name
     servers = [start_llama(binary, gguf, port, threads, []),
                start_llama(binary, gguf, port + 1, threads, ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(gamma)])]

@@ -139,7 +139,8 @@ class EagleProposer:
             more = [k for k, i in enumerate(rows) if step + 1 < gammas[i]]
             if self.stop_below > 0 and more:
                 confidence = confidence * torch.softmax(logits.float(), -1).amax(-1)  # [B'] product of top-1 probabilities
-                more = [k for k in more if float(confidence[k]) >= self.stop_below]
+                sure = (confidence >= self.stop_below).tolist()  # one read of the batch, not one per row
+                more = [k for k in more if sure[k]]
             if not more:
                 break
             rows, confidence = [rows[k] for k in more], confidence[more]
