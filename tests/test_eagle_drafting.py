@@ -154,6 +154,7 @@ def test_a_training_checkpoint_exports_as_a_loadable_head_with_its_model_card(ta
             assert torch.equal(dict(loaded.named_parameters())[name].detach(), param.detach().to(torch.bfloat16).float()), name
     card = (out / eagle.MODEL_CARD_FILE).read_text()
     assert "| code | 0.500 | 0.250 | 1.625 |" in card and "48 training positions" in card and "| 2 |" in card
+    assert "## Exactness" in card and "check-lossless --target TARGET --draft eagle:THIS_DIR" in card  # not run at export: says how
 
 
 def test_a_head_on_features_the_runtime_does_not_give_is_refused(target):

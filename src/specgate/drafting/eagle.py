@@ -574,8 +574,8 @@ def _check_target(path: Path, info: dict[str, Any], actual: dict[str, Any], name
 
 def model_card(head: EagleHead, info: dict[str, Any]) -> str:
     """The head's README.md. metadata keys read: target, data, steps, acceptance ({category: {conditional,
-    prefix_match, acceptance_length}}, as eagle_train.evaluate gives), gamma, end_to_end (str), limits (str or
-    list), recipe; a key left out reads "not recorded" (end_to_end: where to measure it)."""
+    prefix_match, acceptance_length}}, as eagle_train.evaluate gives), gamma, end_to_end (str), exactness (str), limits
+    (str or list), recipe; a key left out reads "not recorded" (end_to_end and exactness: the command that measures it)."""
     meta, config = info["metadata"], head.config
     missing = "not recorded"
     limits = meta.get("limits", missing)
@@ -597,6 +597,9 @@ def model_card(head: EagleHead, info: dict[str, Any]) -> str:
         "## End to end", "",
         str(meta.get("end_to_end", "not measured at export: `python bench/bench_draft.py` measures the head against the target alone "
                                    "(docs/BENCHMARKS.md, the draft table)")), "",
+        "## Exactness", "",
+        str(meta.get("exactness", "not checked at export: `specgate check-lossless --target TARGET --draft eagle:THIS_DIR` runs "
+                                  "the chi-square check on the real pair, with its negative controls")), "",
         "## Limits", "",
         *([f"- {item}" for item in limits] if isinstance(limits, list) else [str(limits)]), "",
         "## Use", "",
