@@ -1,5 +1,6 @@
 """The specgate-vs-llama.cpp method (specgate.bench.llamacpp): the closed loop sends each request once in order and
-counts every token; the served summary picks each engine's best lane per level and divides (hand-computed values);
+counts every token; the served summary picks each engine's best lane per level and divides, and the decode line divides
+the EAGLE head lane by llama.cpp's best (hand-computed values);
 and a served lane runs against a real `specgate serve` of a tiny quantized model."""
 
 import threading
@@ -47,6 +48,24 @@ def test_pooled_rates_weigh_each_request_by_its_time():
     assert ratio == pytest.approx(method.pooled_tps([100.0, 50.0, 80.0]) / method.pooled_tps([50.0, 50.0, 40.0]))
     assert 1.0 <= low <= ratio <= high <= 2.0  # per-request ratios 2, 1, 2: every resample lies in [1, 2]
     assert method.pooled_ratio([60.0] * 4, [30.0] * 4, draws=100) == (2.0, 2.0, 2.0)
+
+
+def _decode_result(rates: dict[str, float]) -> dict:
+    raw = {lane: {"decode_tps": [rate] * 3, "e2e_tps": [rate] * 3, "same_as_target_only": []} for lane, rate in rates.items()}
+    summary = {lane: {"decode_tps": rate, "e2e_tps": rate, "pooled_tps": rate, "same_as_target_only": "-"} for lane, rate in rates.items()}
+    return {"summary": summary, "raw": raw, "forward_ms": {1: 10.0, 5: 12.5, 9: 18.0}}
+
+
+@pytest.mark.parametrize("llama_ngram, best, head_ratio", [(60.0, "llama.cpp ngram", "1.50x"), (30.0, "llama.cpp", "2.25x")])
+def test_the_eagle_head_lane_is_divided_by_llamacpps_best_lane(llama_ngram, best, head_ratio):
+    """llama.cpp cannot run the head, so its decode line compares the head with llama.cpp's faster lane."""
+    lines = method.decode_lines(_decode_result({"llama.cpp": 40.0, "specgate": 70.0, "llama.cpp ngram": llama_ngram,
+                                                "specgate ngram": 120.0, "specgate EAGLE head": 90.0}))
+    ratios = next(line for line in lines if line.startswith("specgate / llama.cpp pooled decode"))
+    assert f"EAGLE head / {best} {head_ratio} [{head_ratio[:-1]}-{head_ratio[:-1]}]" in ratios
+    assert "target-only 1.75x" in ratios and "(5 / 1 = 1.25x, 9 / 1 = 1.80x)" in lines[-1]
+    no_head = method.decode_lines(_decode_result({"llama.cpp": 40.0, "specgate": 70.0, "llama.cpp ngram": 60.0, "specgate ngram": 120.0}))
+    assert not any("EAGLE" in line for line in no_head)
 
 
 def test_served_summary_takes_the_best_lane_of_each_engine_per_level():
