@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96, help="new tokens per decode-lane request")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--gamma", type=int, default=8, help="n-gram draft length for both engines (specgate adaptive: its largest)")
-    parser.add_argument("--head-gamma", type=int, default=0, help="> 0: add a decode lane with specgate's EAGLE head (--draft default) at this draft length")
+    parser.add_argument("--head-gamma", type=int, default=0, help="> 0: add decode lanes with specgate's --draft default (lookups, then its EAGLE head) and its head alone at this draft length")
     parser.add_argument("--served-tokens", type=int, default=64, help="max_tokens per served request")
     parser.add_argument("--concurrency", default="1,4,16", help="served levels (comma-separated); empty: no served lanes")
     parser.add_argument("--requests-per-client", type=int, default=2, help="served requests per level = C x this (at least 4)")

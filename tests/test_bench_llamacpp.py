@@ -60,12 +60,14 @@ def _decode_result(rates: dict[str, float]) -> dict:
 def test_the_eagle_head_lane_is_divided_by_llamacpps_best_lane(llama_ngram, best, head_ratio):
     """llama.cpp cannot run the head, so its decode line compares the head with llama.cpp's faster lane."""
     lines = method.decode_lines(_decode_result({"llama.cpp": 40.0, "specgate": 70.0, "llama.cpp ngram": llama_ngram,
-                                                "specgate ngram": 120.0, "specgate EAGLE head": 90.0}))
+                                                "specgate ngram": 120.0, "specgate default": 120.0, "specgate EAGLE head": 90.0}))
     ratios = next(line for line in lines if line.startswith("specgate / llama.cpp pooled decode"))
     assert f"EAGLE head / {best} {head_ratio} [{head_ratio[:-1]}-{head_ratio[:-1]}]" in ratios
+    default_ratio = f"{120.0 / (llama_ngram if best == 'llama.cpp ngram' else 40.0):.2f}"
+    assert f"default / {best} {default_ratio}x [{default_ratio}-{default_ratio}]" in ratios
     assert "target-only 1.75x" in ratios and "(5 / 1 = 1.25x, 9 / 1 = 1.80x)" in lines[-1]
     no_head = method.decode_lines(_decode_result({"llama.cpp": 40.0, "specgate": 70.0, "llama.cpp ngram": 60.0, "specgate ngram": 120.0}))
-    assert not any("EAGLE" in line for line in no_head)
+    assert not any("EAGLE" in line or "default /" in line for line in no_head)
 
 
 def test_served_summary_takes_the_best_lane_of_each_engine_per_level():

@@ -145,9 +145,23 @@ def test_default_on_gemma_is_the_eagle_head_and_exact_in_greedy(gemma):
     params = SamplingParams(temperature=0.0)
     prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
     baseline = generate(prompt, gemma, NoDrafter(), 0, params, max_new_tokens=48)
+    kinds = {"head": 0, "lookup": 0}
+    propose = drafter.propose
+
+    def counting(context, gamma):  # lookups (no head step) where the code repeats itself, the head elsewhere
+        proposal = propose(context, gamma)
+        kinds["head" if proposal.forward_passes else "lookup"] += proposal.num_tokens > 0
+        return proposal
+
+    drafter.propose = counting
     speculative = generate(prompt, gemma, drafter, 4, params, max_new_tokens=48)
     assert speculative.tokens == baseline.tokens
     assert speculative.stats.acceptance_length > 1.5  # a trained head: most steps emit more than the target's token
+    assert kinds["head"] > 0 and kinds["lookup"] > 0, kinds
+    drafter = make_drafter("default", gemma)
+    drafter.lookup_min_n = 0  # the head alone
+    alone = generate(prompt, gemma, drafter, 4, params, max_new_tokens=48)
+    assert alone.tokens == baseline.tokens and alone.stats.acceptance_length > 1.3
 
 
 @pytest.mark.slow

@@ -222,6 +222,35 @@ def test_a_chain_stops_where_the_product_of_top1_probabilities_falls_below_stop_
         EagleDrafter(head, target, stop_below=1.0).begin(ids, GREEDY, None, 20)
 
 
+def test_a_recurring_bigram_drafts_its_continuation_with_one_hot_q_and_no_head_step(target):
+    """Prompt lookup first (eagle_drafter.LOOKUP_MIN_N): [.. a b c d a b] drafts "c d a b" even when sampling (q
+    one-hot: draft_probs None), without a head step; a context whose last bigram is new drafts the head's chain;
+    lookup_min_n 0 is the head alone. sample_batch drafts what propose drafts and pads a short lookup with -1."""
+    head = random_head(target.model, seed=4)
+    params = SamplingParams(temperature=1.0)
+    ids = torch.tensor([1, 11, 12, 13, 14, 11, 12])
+    feats = prompt_features(target.model, ids)
+
+    def propose(context, lookup_min_n):
+        drafter = EagleDrafter(head, target, stop_below=0.0, lookup_min_n=lookup_min_n)
+        drafter.begin(context, params, torch.Generator().manual_seed(0), 16)
+        drafter.observe_features(0, feats[: context.numel() - 1])
+        return drafter.propose(context, 4)
+
+    looked_up = propose(ids, 2)
+    assert looked_up.tokens.tolist() == [13, 14, 11, 12] and looked_up.draft_probs is None and looked_up.forward_passes == 0
+    alone = propose(ids, 0)
+    assert alone.forward_passes == 4 and alone.draft_probs.shape == (4, 512)
+    fresh = propose(ids[:5], 2)  # last bigram (13, 14) never seen before
+    assert fresh.forward_passes == 4 and fresh.draft_probs is not None
+    tokens, q = EagleDrafter(head, target).sample_batch(torch.stack([ids, ids]), 6, params, torch.Generator().manual_seed(0))
+    assert tokens.tolist() == [[13, 14, 11, 12, -1, -1]] * 2
+    assert q.shape == (2, 6, 512) and float(q[:, :4].sum()) == 8.0 and float(q[:, 4:].abs().sum()) == 0.0
+    assert float(q[0, torch.arange(4), tokens[0, :4]].sum()) == 4.0
+    with pytest.raises(ValueError, match="lookup_min_n=4"):
+        EagleDrafter(head, target, lookup_min_n=4).begin(ids, params, None, 16)
+
+
 def test_rejected_drafts_need_no_undo(target):
     """After a proposal whose drafts were rejected, the next one (the new states observed) equals a fresh drafter's."""
     head = random_head(target.model, seed=5)
@@ -288,9 +317,10 @@ def test_hidden_states_without_logits_equal_those_with_them(target):
 
 
 @pytest.mark.parametrize("gamma", [1, 3])
-def test_greedy_generate_with_the_head_equals_target_only(target, echo_dir, gamma):
+def test_greedy_generate_with_the_head_alone_equals_target_only(target, echo_dir, gamma):
     generator = torch.Generator().manual_seed(0)
     drafter = make_drafter(f"eagle:{echo_dir}", target)
+    drafter.lookup_min_n = 0  # the head alone: its rejections below are the echo head's
     draftable = set(drafter.head.d2t.tolist())
     drafted = accepted = 0
     for length in (4, 9, 14):
@@ -309,16 +339,61 @@ def test_greedy_generate_with_the_head_equals_target_only(target, echo_dir, gamm
     assert 0 < accepted < drafted  # drafts both accepted and rejected: the verification path is exercised
 
 
-def test_scheduler_greedy_ragged_batch_with_the_head_equals_target_only(target, echo_dir):
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_generate_with_lookup_and_the_head_equals_target_only(target, echo_dir, gamma):
+    """The default drafter: lookups where the context repeats (the tiny model's output repeats one token, so a
+    lookup takes over once a bigram recurs), the head elsewhere. Tokens equal target-only; lookup steps spend
+    no head step, and the head's states stay the target's through them (the head drafts again after them)."""
+    generator = torch.Generator().manual_seed(0)
+    drafter = make_drafter(f"eagle:{echo_dir}", target)
+    head_steps = lookup_steps = accepted = 0
+    propose = drafter.propose
+
+    def counting(context, gamma):
+        nonlocal head_steps, lookup_steps
+        proposal = propose(context, gamma)
+        head_steps += proposal.forward_passes
+        lookup_steps += proposal.num_tokens > 0 and proposal.forward_passes == 0
+        return proposal
+
+    drafter.propose = counting
+    for length in (4, 9, 14):
+        prompt = [1] + torch.randint(4, 512, (length,), generator=generator).tolist()
+        prompt += prompt[1:3] + [7]  # a recurring bigram whose continuation (the prompt's third token) is no repeat
+        baseline = generate(prompt, target, NoDrafter(), 0, GREEDY, max_new_tokens=20)
+        result = generate(prompt, target, drafter, gamma, GREEDY, max_new_tokens=20)
+        assert result.tokens == baseline.tokens and result.text == baseline.text
+        assert_true_states(target.model, drafter.state, prompt + result.tokens)
+        accepted += result.stats.accepted_tokens
+    assert accepted > 0 and head_steps > 0 and lookup_steps > 0
+
+
+@pytest.mark.parametrize("lookup_min_n", [0, 2])
+def test_scheduler_greedy_ragged_batch_with_the_head_equals_target_only(target, echo_dir, lookup_min_n):
     """Requests of different lengths joining at different steps, fewer slots than requests, prompts prefilled in
     chunks of 8 tokens (the states arrive chunk by chunk), a gamma that changes with the batch: every request's
-    tokens equal target-only greedy decoding, and several rows drafted in one batched head step."""
+    tokens equal target-only greedy decoding, and several rows drafted in one batched head step. The head alone
+    (lookup_min_n 0), and as served by default: lookups where a row's context repeats (these prompts repeat a
+    pattern), the head in the same step for rows without a match."""
     head = eagle.load_head(echo_dir, target)
     prompts = make_prompts(5, seed=1)
+    prompts[1] = prompts[1][:7]  # one prompt without a recurring bigram: the head drafts its first steps
     max_tokens = [20, 28, 14, 24, 18]
     policy = TablePolicy([(1, 1, 4), (2, 2, 2), (3, 3, 3)])
     scheduler = Scheduler(target, draft=head, policy=policy, num_slots=3, max_seq_len=64, prefill_chunk_tokens=8)
+    scheduler.model_drafter.lookup_min_n = lookup_min_n  # read as each request is admitted (new_state)
     scheduler.trace = []
+    kinds = {"head": 0, "lookup": 0}
+    propose = scheduler.model_drafter.propose
+
+    def counting(*args):
+        proposals = propose(*args)
+        for proposal in proposals:
+            if proposal.num_tokens:
+                kinds["head" if proposal.forward_passes else "lookup"] += 1
+        return proposals
+
+    scheduler.model_drafter.propose = counting
     requests = [Request(p, GREEDY, max_tokens=m, seed=i) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     step = scheduler.step
 
@@ -340,6 +415,7 @@ def test_scheduler_greedy_ragged_batch_with_the_head_equals_target_only(target, 
     assert 0 < accepted < drafted and scheduler.draft_kind == "eagle"
     assert any(sum(1 for d in step["rows_drafts"] if d) >= 2 for step in scheduler.trace), "no step drafted for several rows at once"
     assert len(scheduler.free_slots) == 3 and not scheduler.running
+    assert kinds["head"] > 0 and (kinds["lookup"] > 0) == (lookup_min_n > 0), kinds
 
 
 def test_scheduler_sampled_batch_with_the_head_matches_generate_with_the_same_seed(target, echo_dir):
@@ -357,16 +433,21 @@ def test_scheduler_sampled_batch_with_the_head_matches_generate_with_the_same_se
 
 
 def test_eagle_sampling_is_lossless_on_a_tiny_gemma(target, echo_dir):
-    """The lossless harness (chi-square at fixed prefixes, Bonferroni, at significance 0.01) with the head's q; its
-    three negative controls (a wrong q, two lossy verifiers) must be caught on the same draws' setup."""
+    """The lossless harness (chi-square at fixed prefixes, Bonferroni, at significance 0.01) on the default drafter,
+    at prefixes where it drafts a lookup ([<s> a b c a b]: "c a b") and where the head drafts with its q (no
+    recurring bigram); its three negative controls (a wrong q, two lossy verifiers) must be caught."""
     params = dict(temperature=1.0, top_k=20)
-    prefixes = uncertain_prefixes(target, SamplingParams(**params))
+    lookups = uncertain_prefixes(target, SamplingParams(**params))
+    heads = [[1] + torch.randperm(500, generator=torch.Generator().manual_seed(seed))[:5].add(4).tolist() for seed in (0, 1)]
+    drafter = make_drafter(f"eagle:{echo_dir}", target)
+    assert all(drafter._lookup(torch.tensor(p), 3, None) for p in lookups)
+    assert not any(drafter._lookup(torch.tensor(p), 3, None) for p in heads)
     report = run_model_check(target, f"eagle:{echo_dir}", gamma=3, num_samples=10_000, seed=0, significance=0.01,
-                             prefixes=prefixes, **params)
+                             prefixes=lookups + heads, **params)
     failed = [c for c in report["cases"] if c["verdict"] != "pass"]
     missed = [(c["name"], c["min_p_value"]) for c in report["negative_controls"] if c["verdict"] != "fail"]
     assert report["verdict"] == "pass", (failed, missed)
-    assert len(report["cases"]) == 8 and len(report["negative_controls"]) == 3 and report["draft"].startswith("eagle:")
+    assert len(report["cases"]) == 16 and len(report["negative_controls"]) == 3 and report["draft"].startswith("eagle:")
 
 
 @pytest.mark.parametrize("spec", ["eagle:DIR", "default"])

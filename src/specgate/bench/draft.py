@@ -3,11 +3,13 @@
 Prompts are held out of the draft's training text (workloads.held_out_prompts). Each prompt runs once per lane,
 lanes interleaved prompt by prompt (background load hits every lane alike), after one warm-up of every lane.
 Lanes (DRAFT_LANES; temperature 0 unless named): own baseline; the small draft model (registry.DRAFT_MODEL_DIRS)
-at gamma 1, 2, 3; the EAGLE head (`--draft default`: the one shipped, or --eagle DIR) at gamma 3, 4, 6, 8 (its
-chains stop where the head is unsure: gamma is the longest) and with every chain gamma long ("fixed", gamma 4); the
-self-speculative candidate (the target's first 6 layers + final norm + the same reduced head, untrained) at gamma 2
-(only when named: its alpha is near 0); at temperature 1 the baseline, the draft model at gamma 3 and the head at
-gamma 6 and fixed 4 (the same seeds); transformers' greedy generate() on the same weights.
+at gamma 1, 2, 3; prompt lookup alone (`--draft ngram`) at gamma 6; the EAGLE drafter (`--draft default`: the head
+shipped, or --eagle DIR; lookups where the context repeats, the head's chain elsewhere) at gamma 3, 4, 6, 8 (head
+chains stop where the head is unsure: gamma is the longest), with every head chain gamma long ("fixed", gamma 4)
+and without lookups ("head", gamma 6); the self-speculative candidate (the target's first 6 layers + final norm +
+the same reduced head, untrained) at gamma 2 (only when named: its alpha is near 0); at temperature 1 the
+baseline, the draft model at gamma 3, lookup at gamma 6, the EAGLE drafter at gamma 6 and fixed 4 and the head
+alone at gamma 6 (the same seeds); transformers' greedy generate() on the same weights.
 
 Speedup = baseline wall time / lane wall time summed over a category's prompts (tokens per second), prefill
 included; decode_speedup leaves the (identical) prefill out of both. alpha, c, AL come from the engine's counters;
@@ -36,13 +38,17 @@ DRAFT_LANES = {
     "self-spec 6L g2": ("self-spec:6", 2, 0.0),
     "baseline T=1": ("none", 0, 1.0),
     "draft-model g3 T=1": ("draft-model", 3, 1.0),
-    "eagle g3": ("eagle", 3, 0.0),  # the EAGLE head: --eagle DIR, else the one shipped (`--draft default`)
-    "eagle g4": ("eagle", 4, 0.0),  # chains stop early where the head is unsure (eagle_drafter.STOP_BELOW)
-    "eagle g6": ("eagle", 6, 0.0),
+    "ngram g6": ("ngram", 6, 0.0),  # prompt lookup alone (`--draft ngram`)
+    "eagle g3": ("eagle", 3, 0.0),  # the EAGLE drafter: --eagle DIR, else the one shipped (`--draft default`):
+    "eagle g4": ("eagle", 4, 0.0),  # lookups where the context repeats, else the head's chain, which stops early
+    "eagle g6": ("eagle", 6, 0.0),  # where the head is unsure (eagle_drafter.LOOKUP_MIN_N, STOP_BELOW)
     "eagle g8": ("eagle", 8, 0.0),
-    "eagle g4 fixed": ("eagle-fixed", 4, 0.0),  # every chain gamma long (stop_below 0)
+    "eagle g4 fixed": ("eagle-fixed", 4, 0.0),  # every head chain gamma long (stop_below 0)
+    "head g6": ("eagle-head", 6, 0.0),  # the head alone, no lookup (lookup_min_n 0)
+    "ngram g6 T=1": ("ngram", 6, 1.0),
     "eagle g6 T=1": ("eagle", 6, 1.0),
     "eagle g4 fixed T=1": ("eagle-fixed", 4, 1.0),
+    "head g6 T=1": ("eagle-head", 6, 1.0),
 }
 DEFAULT_LANES = [lane for lane in DRAFT_LANES if not lane.startswith("self-spec")]
 
@@ -82,16 +88,19 @@ def teacher_forced_agreement(target: Any, texts: list[str], drafter: Any = None)
 
 
 def make_lane_drafter(spec: str, target: Any, tmp: Path, eagle_dir: Path | None = None) -> Any:
-    """'none' | 'draft-model' (the small draft model) | 'self-spec:L' (written under tmp) | 'eagle' (the head in
-    eagle_dir, else the one shipped for the target) -> the drafter."""
+    """'none' | 'draft-model' (the small draft model) | 'self-spec:L' (written under tmp) | 'eagle' (the EAGLE
+    drafter with the head in eagle_dir, else the one shipped for the target; 'eagle-fixed': chains gamma long;
+    'eagle-head': no lookups) | anything make_drafter takes ('ngram') -> the drafter."""
     if spec == "none":
         return NoDrafter()
     if spec == "draft-model":
         return make_drafter(str(PACKAGE_DRAFT_DIR), target)
-    if spec in ("eagle", "eagle-fixed"):
+    if spec in ("eagle", "eagle-fixed", "eagle-head"):
         drafter = make_drafter("eagle" if eagle_dir is None else f"eagle:{eagle_dir}", target)
         if spec == "eagle-fixed":
             drafter.stop_below = 0.0
+        if spec == "eagle-head":
+            drafter.lookup_min_n = 0
         return drafter
     if spec.startswith("self-spec:"):
         layers = int(spec.partition(":")[2])

@@ -5,9 +5,10 @@ Decode lanes (one request at a time, greedy, N new tokens per prompt):
   --spec-type none / ngram-simple; decode tok/s = its own timings.predicted_per_second, end to end = wall time.
 - specgate target-only and n-gram: specgate.engine.generate in this process on the GGUF's own quantized blocks
   (--dtype gguf); decode tok/s = new tokens / (wall - prefill), end to end = wall.
-- specgate EAGLE head (`--draft default` where the target's default is a head; head_gamma > 0): llama.cpp has no
-  lane for it (llama-server's draft lanes load a second GGUF model over token ids, not a head on the target's
-  hidden states), so it is compared with llama.cpp's best lane.
+- specgate default and specgate EAGLE head (head_gamma > 0, where the target's `--draft default` is an EAGLE head):
+  the default drafter (prompt lookup where the context repeats, the head elsewhere) and its head alone (no
+  lookups). llama.cpp has no lane for a head (llama-server's draft lanes load a second GGUF model over token ids,
+  not a head on the target's hidden states), so both are compared with llama.cpp's best lane.
 Also the cost of a verification forward of 5 (and 9) tokens over a 1-token step of specgate's model, and whether
 each n-gram lane's greedy output equals its own target-only output (specgate guarantees it; llama.cpp does not).
 
@@ -251,9 +252,13 @@ def verify_ratio(model, widths=(1, 5, 9), repeats: int = 20) -> dict[int, float]
     return {w: statistics.median(t) for w, t in times.items()}
 
 
+HEAD_LANES = ("specgate default", "specgate EAGLE head")  # lanes llama.cpp cannot run: divided by its best lane
+
+
 def run_decode(gguf: Path, threads: int, tokens: int, rounds: int, gamma: int, port: int = 18391, head_gamma: int = 0) -> dict[str, Any]:
     """The decode lanes, prompt by prompt, lanes in turn (reversed every second round); medians and raw values.
-    head_gamma > 0 adds the "specgate EAGLE head" lane: the model's `--draft default` head at that draft length."""
+    head_gamma > 0 adds the "specgate default" lane (the model's `--draft default`, an EAGLE drafter) and the
+    "specgate EAGLE head" lane (its head alone), at that draft length."""
     import torch
 
     from specgate.drafting import make_drafter
@@ -272,7 +277,9 @@ def run_decode(gguf: Path, threads: int, tokens: int, rounds: int, gamma: int, p
     if head_gamma > 0:
         if not resolve_default("default", model.name).startswith(EAGLE_PREFIX):
             raise ValueError(f"head_gamma={head_gamma}: {model.name}'s --draft default is not an EAGLE head: use head_gamma=0")
-        head = make_drafter("default", model)
+        default, head = make_drafter("default", model), make_drafter("default", model)
+        head.lookup_min_n = 0  # the head alone
+        lanes["specgate default"] = lambda p: specgate_complete(model, p, tokens, head_gamma, default)
         lanes["specgate EAGLE head"] = lambda p: specgate_complete(model, p, tokens, head_gamma, head)
     raw: dict[str, dict[str, list]] = {lane: {"decode_tps": [], "e2e_tps": [], "same_as_target_only": []} for lane in lanes}
     try:
@@ -287,8 +294,9 @@ def run_decode(gguf: Path, threads: int, tokens: int, rounds: int, gamma: int, p
                 for engine in ("llama.cpp", "specgate"):
                     key = "text" if engine == "llama.cpp" else "tokens"
                     raw[f"{engine} ngram"]["same_as_target_only"].append(outputs[f"{engine} ngram"][key] == outputs[engine][key])
-                if "specgate EAGLE head" in outputs:
-                    raw["specgate EAGLE head"]["same_as_target_only"].append(outputs["specgate EAGLE head"]["tokens"] == outputs["specgate"]["tokens"])
+                for lane in HEAD_LANES:
+                    if lane in outputs:
+                        raw[lane]["same_as_target_only"].append(outputs[lane]["tokens"] == outputs["specgate"]["tokens"])
         forward_ms = verify_ratio(model)
     finally:
         stop(servers)
@@ -320,9 +328,8 @@ def decode_lines(result: dict[str, Any]) -> list[str]:
     lines = ["| lane | decode tok/s (median) | pooled decode tok/s | end-to-end tok/s | same output as target-only |", "|---|---|---|---|---|"]
     lines += [f"| {lane} | {s['decode_tps']:.1f} | {s['pooled_tps']:.1f} | {s['e2e_tps']:.1f} | {s['same_as_target_only']} |" for lane, s in summary.items()]
     pairs = [("target-only", "specgate", "llama.cpp"), ("n-gram", "specgate ngram", "llama.cpp ngram")]
-    if "specgate EAGLE head" in raw:
-        best = max(("llama.cpp", "llama.cpp ngram"), key=lambda lane: summary[lane]["pooled_tps"])
-        pairs.append((f"EAGLE head / {best}", "specgate EAGLE head", best))
+    best = max(("llama.cpp", "llama.cpp ngram"), key=lambda lane: summary[lane]["pooled_tps"])
+    pairs += [(f"{lane.removeprefix('specgate ')} / {best}", lane, best) for lane in HEAD_LANES if lane in raw]
     ratios = [(name, *pooled_ratio(raw[ours]["decode_tps"], raw[theirs]["decode_tps"])) for name, ours, theirs in pairs]
     lines.append("specgate / llama.cpp pooled decode: " + ", ".join(f"{name} {r:.2f}x [{lo:.2f}-{hi:.2f}]" for name, r, lo, hi in ratios))
     lines.append("specgate forward ms by tokens: " + ", ".join(f"{w}: {ms:.1f}" for w, ms in forward_ms.items())

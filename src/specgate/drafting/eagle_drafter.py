@@ -14,6 +14,13 @@ absolute position, like the target's).
 q: the head's logits over its d2t vocabulary processed with the request's SamplingParams, sampled by the draft
 model's own sampler (model_drafter.sample_draft) and scattered onto the target vocabulary with zeros elsewhere;
 the target's residual (p - q)+ covers the rest, so verification stays exact. Greedy: argmax, q one-hot (None).
+
+Prompt lookup first: where the context's last n >= lookup_min_n tokens (n up to 3) occurred before, a request's
+proposal is what followed them (specgate.drafting.ngram; q one-hot, no head step), and the head drafts only where
+the context has no such match. Small models' greedy text repeats itself and grounded answers copy their prompt;
+there a lookup's chain is long and free, where the head's is one token deep. Exact whatever the rule: the choice
+depends on the context only, and each draft's q is the distribution it was drawn from (one-hot for a lookup).
+lookup_min_n 0 turns lookup off (the head alone).
 """
 
 from __future__ import annotations
@@ -28,11 +35,16 @@ from torch import Tensor
 from specgate.drafting.base import DraftProposal, Drafter
 from specgate.drafting.eagle import FEATURE_FINAL_NORM, EagleHead, drafting_step
 from specgate.drafting.model_drafter import sample_draft
+from specgate.drafting.ngram import NgramDrafter
 
 # A chain stops once the product of the head's top-1 probabilities along it falls below this: the next draft would
 # likely be rejected, and a rejected draft costs a head step and a verified position for nothing. gamma is then the
 # longest chain. Exact whatever the rule: a chain's length depends only on the drafts so far, never on the target.
 STOP_BELOW = 0.3
+
+# Prompt lookup drafts where the context's last LOOKUP_MIN_N..LOOKUP_MAX_N tokens occurred before (module docstring).
+# 2, not 1: a single repeated token predicts its successor too poorly at temperature 1, where the head did better.
+LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 3
 
 # sample(logits `# [B', V_d]`, request indices [B']) -> (tokens `# [B']` target ids, q: B' rows `# [V_t]` (None for a
 # greedy row), or None when every row is greedy)
@@ -55,6 +67,7 @@ class HeadState:
     features: Tensor  # [S, H] float32: the target's state after the token at each position (valid below `known`)
     known: int = 0  # positions 0..known-1 hold target states
     fed: int = 0  # head cache rows 0..fed-1 hold target-fed (h_j, x_{j+1}); rows from fed on are scratch (drafts)
+    lookup: NgramDrafter | None = None  # the request's prompt-lookup index, or None (lookup off)
 
     def observe(self, start: int, features: Tensor) -> None:
         """The target's states features [T, H] at positions start..start+T-1 (after committed tokens)."""
@@ -68,7 +81,8 @@ class HeadState:
 
 class EagleProposer:
     """Draft with the head for many requests at once: one head KV cache of num_slots slots, positions absolute.
-    Each chain is up to gamma long and stops early where the head is unsure (stop_below; 0: always gamma).
+    Each chain is up to gamma long and stops early where the head is unsure (stop_below; 0: always gamma). A request
+    whose context has a lookup match (lookup_min_n; 0: off) drafts that match's continuation instead.
 
     `wants_features`: the scheduler keeps a HeadState per request (new_state) and feeds it the target's states.
     """
@@ -76,10 +90,13 @@ class EagleProposer:
     wants_features = True
 
     def __init__(self, head: EagleHead, target_vocab_size: int, num_slots: int, max_seq_len: int, name: str = "eagle",
-                 stop_below: float = STOP_BELOW) -> None:
+                 stop_below: float = STOP_BELOW, lookup_min_n: int = LOOKUP_MIN_N) -> None:
         check_runtime_features(head)
         if not 0.0 <= stop_below < 1.0:
             raise ValueError(f"stop_below={stop_below}: use a probability in [0, 1) (0: every chain drafts gamma tokens)")
+        if isinstance(lookup_min_n, bool) or not isinstance(lookup_min_n, int) or not 0 <= lookup_min_n <= LOOKUP_MAX_N:
+            raise ValueError(f"lookup_min_n={lookup_min_n!r}: use an integer in 0..{LOOKUP_MAX_N} (the shortest n-gram a lookup matches; 0: the head alone)")
+        self.lookup_min_n = lookup_min_n
         self.head, self.name = head, name
         self.target_vocab_size, self.max_seq_len = int(target_vocab_size), int(max_seq_len)
         self.cache = head.new_cache(num_slots, max_seq_len)
@@ -87,7 +104,8 @@ class EagleProposer:
         self.stop_below = float(stop_below)
 
     def new_state(self) -> HeadState:
-        return HeadState(torch.zeros(self.max_seq_len, self.head.config.hidden_size))
+        lookup = NgramDrafter(self.lookup_min_n, LOOKUP_MAX_N) if self.lookup_min_n else None
+        return HeadState(torch.zeros(self.max_seq_len, self.head.config.hidden_size), lookup=lookup)
 
     def begin(self, slot: int) -> None:
         """A request takes `slot`: nothing to reset (its HeadState starts unfed, so its rows are written again)."""
@@ -102,15 +120,21 @@ class EagleProposer:
         generators: Sequence[torch.Generator | None],
     ) -> list[DraftProposal]:
         """Draft gammas[i] tokens after contexts[i] `# [L_i]` for the request in slots[i] with head state states[i],
-        sampled with its params[i] and generators[i]. Each proposal's draft_probs is its list of per-token q `# [V_t]`
-        (None for greedy rows); forward_passes stays 0, the head's passes being shared by the batch."""
+        sampled with its params[i] and generators[i]: a lookup's continuation where its context has a match (q
+        one-hot: draft_probs None), else the head's chain, whose draft_probs is its list of per-token q `# [V_t]`
+        (None for greedy rows). forward_passes: the head steps the chain took (a batch shares them), 0 for a lookup."""
 
         def sample(logits: Tensor, rows: list[int]) -> tuple[Tensor, Tensor | None]:
             drawn = [sample_draft(logits[k : k + 1], params[i], generators[i], self.head.d2t, self.target_vocab_size) for k, i in enumerate(rows)]
             return torch.cat([t for t, _ in drawn]), [None if q is None else q[0] for _, q in drawn]  # greedy rows: no q
 
-        tokens, probs = self.draft(slots, states, contexts, gammas, sample)
-        return [DraftProposal(tokens=torch.tensor(row, dtype=torch.int64), draft_probs=qs or None) for row, qs in zip(tokens, probs)]
+        lookups = [state.lookup.propose(context, gamma).tokens if state.lookup is not None and gamma > 0 else None
+                   for state, context, gamma in zip(states, contexts, gammas)]
+        looked_up = [found is not None and found.numel() > 0 for found in lookups]
+        tokens, probs = self.draft(slots, states, contexts, [0 if hit else gamma for hit, gamma in zip(looked_up, gammas)], sample)
+        return [DraftProposal(tokens=found, draft_probs=None) if hit
+                else DraftProposal(tokens=torch.tensor(row, dtype=torch.int64), draft_probs=qs or None, forward_passes=len(row))
+                for row, qs, found, hit in zip(tokens, probs, lookups, looked_up)]
 
     @torch.inference_mode()
     def draft(self, slots: Sequence[int], states: Sequence[HeadState], contexts: Sequence[Tensor], gammas: Sequence[int],
@@ -183,9 +207,11 @@ class EagleDrafter(Drafter):
 
     wants_features = True
 
-    def __init__(self, head: EagleHead, target: Any, name: str = "eagle", stop_below: float = STOP_BELOW) -> None:
+    def __init__(self, head: EagleHead, target: Any, name: str = "eagle", stop_below: float = STOP_BELOW,
+                 lookup_min_n: int = LOOKUP_MIN_N) -> None:
         check_runtime_features(head)
         self.head, self.target, self.name, self.stop_below = head, target, name, float(stop_below)
+        self.lookup_min_n = lookup_min_n
         self.target_vocab_size = int(target.model.vocab_size)
 
     def begin(self, prompt_ids, params, generator, max_seq_len) -> None:
@@ -193,7 +219,7 @@ class EagleDrafter(Drafter):
         limit = int(self.head.config.max_position_embeddings)
         if max_seq_len > limit:
             raise ValueError(f"the request needs {max_seq_len} positions but the EAGLE head supports {limit}: lower max_new_tokens or shorten the prompt")
-        self.proposer = EagleProposer(self.head, self.target_vocab_size, 1, max_seq_len, self.name, self.stop_below)
+        self.proposer = EagleProposer(self.head, self.target_vocab_size, 1, max_seq_len, self.name, self.stop_below, self.lookup_min_n)
         self.state = self.proposer.new_state()
 
     def observe_features(self, start: int, features: Tensor) -> None:
@@ -203,29 +229,49 @@ class EagleDrafter(Drafter):
         proposal = self.proposer.propose([0], [self.state], [context_ids], [gamma], [self.params], [self.generator])[0]
         if proposal.draft_probs is not None:
             proposal.draft_probs = torch.stack(list(proposal.draft_probs))  # [G', V_t]
-        proposal.forward_passes = proposal.num_tokens  # one head step per draft (the first also feeds the new rows)
-        return proposal
+        return proposal  # forward_passes: one head step per head draft (the first also feeds the new rows)
 
     @torch.inference_mode()
     def sample_batch(self, contexts: Tensor, gamma: int, params: Any, generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
-        """Draft gamma tokens after each of B equal-length contexts [B, T] at once, as the engine would after
-        prefilling them (the target's states at positions 0..T-2 known), with one generator: tokens [B, G] and q
-        [B, G, V_t] (None when greedy). For statistical checks (engine.lossless_real)."""
+        """Draft up to gamma tokens after each of B equal-length contexts [B, T] at once, as the engine would after
+        prefilling them (the target's states at positions 0..T-2 known), with one generator: tokens [B, G] (-1
+        after a lookup shorter than G) and q [B, G, V_t] (None when greedy; one-hot on a lookup's tokens, zero on
+        its padding). A context with a lookup match drafts its continuation, as propose does; the head's chains
+        run gamma long. For statistical checks (engine.lossless_real)."""
         batch, length = contexts.shape
         unique, inverse = torch.unique(contexts, dim=0, return_inverse=True)  # the target runs once per distinct context
+        found = [self._lookup(context, gamma, params) for context in unique]  # per distinct context: its lookup or None
         model = self.target.model
         cache = model.new_cache(unique.shape[0], length)
         positions = torch.arange(length)[None].expand(unique.shape[0], length)  # [U, T]
         hidden = model.forward(unique, positions, cache, torch.arange(unique.shape[0]), logits=False, return_hidden=True).float()  # [U, T, H]
         states = [HeadState(hidden[u], known=length - 1) for u in inverse.tolist()]  # shared views, never written
-        proposer = EagleProposer(self.head, self.target_vocab_size, batch, length + gamma, self.name, stop_below=0.0)  # gamma each
+        proposer = EagleProposer(self.head, self.target_vocab_size, batch, length + gamma, self.name, stop_below=0.0, lookup_min_n=0)
 
         def sample(logits: Tensor, rows: list[int]) -> tuple[Tensor, Tensor | None]:
             return sample_draft(logits, params, generator, self.head.d2t, self.target_vocab_size)
 
-        tokens, probs = proposer.draft(list(range(batch)), states, list(contexts), [gamma] * batch, sample)
-        draft_probs = None if params.greedy else torch.stack([torch.stack(row) for row in probs])  # [B, G, V_t]
-        return torch.tensor(tokens, dtype=torch.int64), draft_probs
+        gammas = [0 if found[u] is not None else gamma for u in inverse.tolist()]
+        chains, probs = proposer.draft(list(range(batch)), states, list(contexts), gammas, sample)
+        tokens = torch.full((batch, gamma), -1, dtype=torch.int64)  # [B, G]
+        draft_probs = None if params.greedy else torch.zeros(batch, gamma, self.target_vocab_size)  # [B, G, V_t]
+        for row, u in enumerate(inverse.tolist()):
+            chain = chains[row] if found[u] is None else found[u]
+            tokens[row, : len(chain)] = torch.tensor(chain, dtype=torch.int64)
+            if draft_probs is not None and found[u] is None:
+                draft_probs[row] = torch.stack(probs[row])
+            elif draft_probs is not None:
+                draft_probs[row, torch.arange(len(chain)), tokens[row, : len(chain)]] = 1.0
+        return tokens, draft_probs
+
+    def _lookup(self, context: Tensor, gamma: int, params: Any) -> list[int] | None:
+        """The lookup's drafts after context [T] (what propose would draft), or None where it has no match."""
+        if not self.lookup_min_n:
+            return None
+        lookup = NgramDrafter(self.lookup_min_n, LOOKUP_MAX_N)
+        lookup.begin(context, params, None, context.numel() + gamma)
+        drafts = lookup.propose(context, gamma).tokens.tolist()
+        return drafts or None
 
 
 class HeadCostProxy:

@@ -94,9 +94,9 @@ class _Pair:
         batch = contexts.shape[0]
         if gamma == 0 or self.drafter.name == "none":
             return torch.zeros(batch, 0, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64), None
-        if hasattr(self.drafter, "sample_batch"):
+        if hasattr(self.drafter, "sample_batch"):  # tokens -1 past a row's drafts (the EAGLE drafter's short lookups)
             tokens, draft_probs = self.drafter.sample_batch(contexts, gamma, self.params, self.generator)
-            return tokens, torch.full((batch,), gamma, dtype=torch.int64), draft_probs
+            return tokens.clamp(min=0), (tokens >= 0).sum(1), draft_probs
         # a lookup drafter is a deterministic function of the context: draft once per distinct context
         unique, inverse = torch.unique(contexts, dim=0, return_inverse=True)
         tokens = torch.zeros(unique.shape[0], gamma, dtype=torch.int64)  # [U, G]
