@@ -115,13 +115,13 @@ def test_head_lanes_run_in_specgate_only_and_pair_with_the_assisted_lanes(tiny_t
     from specgate.bench.assisted import HF_DEFAULTS_LANE, assisted_lanes
 
     lanes, pairs, same_draft = assisted_lanes(tiny_target, None, reduced_draft, reduced_draft, None, [2, 3], True, head=reduced_draft)
-    assert [lane for lane in lanes if "head" in lane] == ["own EAGLE head g2", "own EAGLE head g3"]
+    assert [lane for lane in lanes if "--draft default" in lane] == ["own --draft default g2", "own --draft default g3"]
     for g in (2, 3):
-        assert {(f"own EAGLE head g{g}", f"transformers assisted full-vocab copy g{g}"), (f"own EAGLE head g{g}", "transformers greedy"),
-                (f"own EAGLE head g{g}", HF_DEFAULTS_LANE)} <= set(pairs)
-    assert not any("head" in a or "head" in b for a, b in same_draft)
+        assert {(f"own --draft default g{g}", f"transformers assisted full-vocab copy g{g}"), (f"own --draft default g{g}", "transformers greedy"),
+                (f"own --draft default g{g}", HF_DEFAULTS_LANE)} <= set(pairs)
+    assert not any("--draft default" in a or "--draft default" in b for a, b in same_draft)
     prompt = [5, 9, 17, 33, 65, 129]
-    run, baseline = lanes["own EAGLE head g3"](prompt, 12), lanes["own baseline"](prompt, 12)
+    run, baseline = lanes["own --draft default g3"](prompt, 12), lanes["own baseline"](prompt, 12)
     assert run["tokens"] == baseline["tokens"] and run["drafted"] > 0
     without, _, _ = assisted_lanes(tiny_target, None, reduced_draft, reduced_draft, None, [2], True)
-    assert not any("head" in lane for lane in without)
+    assert not any("--draft default" in lane for lane in without)

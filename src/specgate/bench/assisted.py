@@ -13,8 +13,8 @@ The benchmark (bench/bench_assisted.py): per prompt, interleaved (the order rota
 warm-up of every lane: own baseline (gamma 0) | transformers greedy | per gamma: own lane with the full-vocabulary
 copy, transformers `assistant_model=` the same copy with num_assistant_tokens=gamma, schedule "constant" and the
 confidence stop off (exactly gamma drafts a round, like the own lane) | transformers with its own assisted defaults
-(20 tokens, stop below confidence 0.4) | own lane with the reduced draft per gamma | own lane with the EAGLE head
-(`--draft default`) per gamma, which transformers cannot load (a head on the target's hidden states is not an
+(20 tokens, stop below confidence 0.4) | own lane with the reduced draft per gamma | own lane with `--draft default`
+(lookups where the context repeats, the EAGLE head elsewhere) per gamma, whose head transformers cannot load (a head on the target's hidden states is not an
 assistant model), paired with transformers' assisted lanes and its greedy. Wall time around each call,
 tokenisation outside it, prefill inside. alpha = accepted / (accepted + rejections), AL = (accepted + rounds) /
 rounds, for transformers from its candidate generator's per-round (drafted, matched) counts. Ratios: median over
@@ -147,10 +147,10 @@ def assisted_lanes(target: Any, hf_target: Any, reduced: Any, full: Any, hf_assi
             pairs += [(f"own full-vocab copy g{g}", HF_DEFAULTS_LANE), (f"own reduced default draft g{g}", HF_DEFAULTS_LANE)]
     if head is not None:
         for g in gammas:
-            lanes[f"own EAGLE head g{g}"] = lambda p, n, g=g: own_lane(target, head, g, p, n)
-            pairs += [(f"own EAGLE head g{g}", f"transformers assisted full-vocab copy g{g}"), (f"own EAGLE head g{g}", "transformers greedy")]
+            lanes[f"own --draft default g{g}"] = lambda p, n, g=g: own_lane(target, head, g, p, n)
+            pairs += [(f"own --draft default g{g}", f"transformers assisted full-vocab copy g{g}"), (f"own --draft default g{g}", "transformers greedy")]
             if hf_defaults:
-                pairs.append((f"own EAGLE head g{g}", HF_DEFAULTS_LANE))
+                pairs.append((f"own --draft default g{g}", HF_DEFAULTS_LANE))
     return lanes, pairs, same_draft
 
 
