@@ -27,6 +27,7 @@ from specgate.models import load_model
 from specgate.sampling import SamplingParams
 
 from conftest import recipe_draft_info
+from test_eagle_drafting import count_draft_kinds
 
 MAX_DRAFT_BYTES = 30_000_000
 SHIPPED = DRAFT_MODEL_DIRS["gemma-3-270m"]  # the small draft model, reachable by path
@@ -145,15 +146,7 @@ def test_default_on_gemma_is_the_eagle_head_and_exact_in_greedy(gemma):
     params = SamplingParams(temperature=0.0)
     prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
     baseline = generate(prompt, gemma, NoDrafter(), 0, params, max_new_tokens=48)
-    kinds = {"head": 0, "lookup": 0}
-    propose = drafter.propose
-
-    def counting(context, gamma):  # lookups (no head step) where the code repeats itself, the head elsewhere
-        proposal = propose(context, gamma)
-        kinds["head" if proposal.forward_passes else "lookup"] += proposal.num_tokens > 0
-        return proposal
-
-    drafter.propose = counting
+    kinds = count_draft_kinds(drafter)  # lookups (no head step) where the code repeats itself, the head elsewhere
     speculative = generate(prompt, gemma, drafter, 4, params, max_new_tokens=48)
     assert speculative.tokens == baseline.tokens
     assert speculative.stats.acceptance_length > 1.5  # a trained head: most steps emit more than the target's token

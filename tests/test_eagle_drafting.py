@@ -85,6 +85,23 @@ def assert_true_states(model, state: HeadState, committed: list[int]) -> None:
     torch.testing.assert_close(state.features[: state.known], expected, rtol=1e-4, atol=1e-4)
 
 
+def count_draft_kinds(drafter) -> dict[str, int]:
+    """Wrap drafter.propose (an EagleDrafter's, one proposal, or an EagleProposer's, a list) to count the proposals
+    with drafts by kind: "head" (head steps spent) or "lookup" (none). Returns the live counts."""
+    kinds = {"head": 0, "lookup": 0}
+    propose = drafter.propose
+
+    def counting(*args):
+        proposals = propose(*args)
+        for proposal in proposals if isinstance(proposals, list) else [proposals]:
+            if proposal.num_tokens:
+                kinds["head" if proposal.forward_passes else "lookup"] += 1
+        return proposals
+
+    drafter.propose = counting
+    return kinds
+
+
 # --- save / load --------------------------------------------------------------------------------------------------
 
 
@@ -346,17 +363,7 @@ def test_greedy_generate_with_lookup_and_the_head_equals_target_only(target, ech
     no head step, and the head's states stay the target's through them (the head drafts again after them)."""
     generator = torch.Generator().manual_seed(0)
     drafter = make_drafter(f"eagle:{echo_dir}", target)
-    head_steps = lookup_steps = accepted = 0
-    propose = drafter.propose
-
-    def counting(context, gamma):
-        nonlocal head_steps, lookup_steps
-        proposal = propose(context, gamma)
-        head_steps += proposal.forward_passes
-        lookup_steps += proposal.num_tokens > 0 and proposal.forward_passes == 0
-        return proposal
-
-    drafter.propose = counting
+    kinds, accepted = count_draft_kinds(drafter), 0
     for length in (4, 9, 14):
         prompt = [1] + torch.randint(4, 512, (length,), generator=generator).tolist()
         prompt += prompt[1:3] + [7]  # a recurring bigram whose continuation (the prompt's third token) is no repeat
@@ -365,7 +372,7 @@ def test_greedy_generate_with_lookup_and_the_head_equals_target_only(target, ech
         assert result.tokens == baseline.tokens and result.text == baseline.text
         assert_true_states(target.model, drafter.state, prompt + result.tokens)
         accepted += result.stats.accepted_tokens
-    assert accepted > 0 and head_steps > 0 and lookup_steps > 0
+    assert accepted > 0 and kinds["head"] > 0 and kinds["lookup"] > 0, kinds
 
 
 @pytest.mark.parametrize("lookup_min_n", [0, 2])
@@ -383,17 +390,7 @@ def test_scheduler_greedy_ragged_batch_with_the_head_equals_target_only(target, 
     scheduler = Scheduler(target, draft=head, policy=policy, num_slots=3, max_seq_len=64, prefill_chunk_tokens=8)
     scheduler.model_drafter.lookup_min_n = lookup_min_n  # read as each request is admitted (new_state)
     scheduler.trace = []
-    kinds = {"head": 0, "lookup": 0}
-    propose = scheduler.model_drafter.propose
-
-    def counting(*args):
-        proposals = propose(*args)
-        for proposal in proposals:
-            if proposal.num_tokens:
-                kinds["head" if proposal.forward_passes else "lookup"] += 1
-        return proposals
-
-    scheduler.model_drafter.propose = counting
+    kinds = count_draft_kinds(scheduler.model_drafter)
     requests = [Request(p, GREEDY, max_tokens=m, seed=i) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     step = scheduler.step
 
