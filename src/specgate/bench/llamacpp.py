@@ -262,6 +262,7 @@ def run_decode(gguf: Path, threads: int, tokens: int, rounds: int, gamma: int, p
     import torch
 
     from specgate.drafting import make_drafter
+    from specgate.drafting.eagle_drafter import EagleDrafter
     from specgate.drafting.registry import EAGLE_PREFIX, resolve_default
     from specgate.engines import llamacpp
     from specgate.models import load_model
@@ -277,8 +278,8 @@ def run_decode(gguf: Path, threads: int, tokens: int, rounds: int, gamma: int, p
     if head_gamma > 0:
         if not resolve_default("default", model.name).startswith(EAGLE_PREFIX):
             raise ValueError(f"head_gamma={head_gamma}: {model.name}'s --draft default is not an EAGLE head: use head_gamma=0")
-        default, head = make_drafter("default", model), make_drafter("default", model)
-        head.lookup_min_n = 0  # the head alone
+        default = make_drafter("default", model)
+        head = EagleDrafter(default.head, model, name=default.name, lookup_min_n=0)  # the same head, alone
         lanes["specgate default"] = lambda p: specgate_complete(model, p, tokens, head_gamma, default)
         lanes["specgate EAGLE head"] = lambda p: specgate_complete(model, p, tokens, head_gamma, head)
     raw: dict[str, dict[str, list]] = {lane: {"decode_tps": [], "e2e_tps": [], "same_as_target_only": []} for lane in lanes}

@@ -51,6 +51,11 @@ LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 3
 Sampler = Callable[[Tensor, list[int]], tuple[Tensor, Tensor | None]]
 
 
+def lookup_index(min_n: int) -> NgramDrafter | None:
+    """A request's prompt-lookup index matching min_n..LOOKUP_MAX_N tokens, or None for min_n 0 (the head alone)."""
+    return NgramDrafter(min_n, LOOKUP_MAX_N) if min_n else None
+
+
 def check_runtime_features(head: EagleHead) -> None:
     """Refuse a head that reads features the runtime's passes do not give (they give the final-norm state only)."""
     if tuple(head.config.feature_layers) != (FEATURE_FINAL_NORM,):
@@ -104,8 +109,7 @@ class EagleProposer:
         self.stop_below = float(stop_below)
 
     def new_state(self) -> HeadState:
-        lookup = NgramDrafter(self.lookup_min_n, LOOKUP_MAX_N) if self.lookup_min_n else None
-        return HeadState(torch.zeros(self.max_seq_len, self.head.config.hidden_size), lookup=lookup)
+        return HeadState(torch.zeros(self.max_seq_len, self.head.config.hidden_size), lookup=lookup_index(self.lookup_min_n))
 
     def begin(self, slot: int) -> None:
         """A request takes `slot`: nothing to reset (its HeadState starts unfed, so its rows are written again)."""
@@ -241,11 +245,15 @@ class EagleDrafter(Drafter):
         batch, length = contexts.shape
         unique, inverse = torch.unique(contexts, dim=0, return_inverse=True)  # the target runs once per distinct context
         found = [self._lookup(context, gamma, params) for context in unique]  # per distinct context: its lookup or None
-        model = self.target.model
-        cache = model.new_cache(unique.shape[0], length)
-        positions = torch.arange(length)[None].expand(unique.shape[0], length)  # [U, T]
-        hidden = model.forward(unique, positions, cache, torch.arange(unique.shape[0]), logits=False, return_hidden=True).float()  # [U, T, H]
-        states = [HeadState(hidden[u], known=length - 1) for u in inverse.tolist()]  # shared views, never written
+        heads = [u for u, drafts in enumerate(found) if drafts is None]  # the distinct contexts the head drafts after
+        states: list[HeadState | None] = [None] * batch  # lookup rows draft no head step: no state
+        if heads:
+            model = self.target.model
+            positions = torch.arange(length)[None].expand(len(heads), length)  # [U', T]
+            hidden = model.forward(unique[heads], positions, model.new_cache(len(heads), length), torch.arange(len(heads)),
+                                   logits=False, return_hidden=True).float()  # [U', T, H]
+            where = {u: k for k, u in enumerate(heads)}
+            states = [HeadState(hidden[where[u]], known=length - 1) if u in where else None for u in inverse.tolist()]  # shared views, never written
         proposer = EagleProposer(self.head, self.target_vocab_size, batch, length + gamma, self.name, stop_below=0.0, lookup_min_n=0)
 
         def sample(logits: Tensor, rows: list[int]) -> tuple[Tensor, Tensor | None]:
@@ -266,9 +274,9 @@ class EagleDrafter(Drafter):
 
     def _lookup(self, context: Tensor, gamma: int, params: Any) -> list[int] | None:
         """The lookup's drafts after context [T] (what propose would draft), or None where it has no match."""
-        if not self.lookup_min_n:
+        lookup = lookup_index(self.lookup_min_n)
+        if lookup is None:
             return None
-        lookup = NgramDrafter(self.lookup_min_n, LOOKUP_MAX_N)
         lookup.begin(context, params, None, context.numel() + gamma)
         drafts = lookup.propose(context, gamma).tokens.tolist()
         return drafts or None
