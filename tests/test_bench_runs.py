@@ -1,6 +1,6 @@
 """specgate.bench's measuring code run for real on tiny random models (config from conftest.tiny_config, weights
 random): the floor's byte count by hand, the record shapes of the floor, verification-cost, perf, engine, rows,
-verifier and draft runs, and greedy lanes that must agree token for token (specgate's and transformers' greedy on
+prefill, verifier and draft runs, and greedy lanes that must agree token for token (specgate's and transformers' greedy on
 the same weights, n-gram drafts against the baseline). Sizes are tiny: these check the method, not the speed.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specgate.bench import draft, engine, floor, perf, rows, verifier
+from specgate.bench import draft, engine, floor, perf, prefill, rows, verifier
 from specgate.drafting import NgramDrafter, NoDrafter
 from specgate.models import load_model
 
@@ -81,6 +81,28 @@ def test_rows_forward_and_verifier_small(tiny_model_dir):
     assert verifier.target_step_ms(1, target=str(tiny_model_dir("gemma3")), batch=2, gamma=2) > 0
     lines = verifier.verifier_lines(lanes, 100.0, "b")
     assert lines[0].endswith("(baseline: b)") and lines[1].endswith("of the target step")
+
+
+def test_prefill_bench_times_both_ways_and_restores_the_rule(tiny_model_dir, monkeypatch):
+    from specgate.models import native
+    from specgate.models.native import DecodeStack
+
+    model = load_model(str(tiny_model_dir("gemma3")), dtype="int8").model
+    monkeypatch.setattr(native, "QUANT_MAX_ROWS", 8)
+    runs: list[int] = []
+    run = DecodeStack.run
+    monkeypatch.setattr(DecodeStack, "run", lambda self, x, *a: (runs.append(x.shape[0]), run(self, x, *a))[1])
+    with prefill.chunking(model, False):
+        prefill.prefill_ms(model, 20)
+    assert runs == []  # the upcast path: no stack call
+    prefill.prefill_ms(model, 20)
+    assert runs == [8, 8, 4]  # the model's own rule again: chunks of <= 8 through the stack
+    times = prefill.chunked_upcast_ms(model, [4, 20], repeats=2)
+    assert all(len(ms) == 2 and min(ms) > 0 for lanes in times.values() for ms in lanes.values())
+    lines = prefill.prefill_table(times, 8, 2)
+    assert len(lines) == 5 and lines[3].startswith("| 4 |") and lines[4].startswith("| 20 |")
+    with pytest.raises(ValueError, match="comma list of prompt lengths"):
+        prefill.parse_lengths("64,x")
 
 
 def test_draft_bench_records_and_summary(tiny, hf_tiny):

@@ -310,3 +310,45 @@ def test_auto_picks_the_gguf_blocks_for_a_gguf_target_only():
     assert draft_dtype("gguf") == default_dtype()
     with pytest.raises(ValueError, match="use one of auto, float32, bfloat16, gguf, int8"):
         resolve_weights("int4", "x.gguf")
+
+
+def test_a_forward_longer_than_the_c_paths_runs_in_chunks_equal_to_decode_steps(tiny_model_dir, monkeypatch):
+    """A prefill past QUANT_MAX_ROWS runs as column chunks through the C stack (CausalLM._chunked_forward): every
+    state, K/V entry and logit equals what one-token decode steps give, bit for bit, in a ragged batch, whether the
+    call asks for the cache only, the hidden states, every position's logits or the last token's."""
+    from specgate.models import load_model
+    from specgate.models.native import DecodeStack
+
+    loaded = load_model(str(tiny_model_dir("gemma3")), dtype="int8")
+    model = loaded.model
+    assert model.quantized and model.native_stack() is not None
+    monkeypatch.setattr(native, "QUANT_MAX_ROWS", 8)  # a 2 x 21 forward is now past the C paths' limit
+    seen: list[int] = []
+    run = DecodeStack.run
+    monkeypatch.setattr(DecodeStack, "run", lambda self, x, *a: (seen.append(x.shape[0]), run(self, x, *a))[1])
+    lengths = (21, 13)
+    ids = torch.randint(0, 512, (2, 21), generator=torch.Generator().manual_seed(3))
+    positions = torch.stack([torch.where(torch.arange(21) < n, torch.arange(21), -1) for n in lengths])  # [2, 21]
+    valid = positions >= 0
+    slots = torch.tensor([0, 1])
+    with torch.inference_mode():
+        step_cache = model.new_cache(2, 32)
+        step_logits, step_hidden = torch.zeros(2, 21, 512), torch.zeros(2, 21, model.args.hidden_size)
+        for row, n in enumerate(lengths):
+            for t in range(n):
+                scores, hidden = model(ids[row : row + 1, t : t + 1], torch.tensor([[t]]), step_cache,
+                                       slots[row : row + 1], return_hidden=True)
+                step_logits[row, t], step_hidden[row, t] = scores[0, 0], hidden[0, 0]
+        seen.clear()
+        cache = model.new_cache(2, 32)
+        hidden = model(ids, positions, cache, slots, logits=False, return_hidden=True)
+        assert seen and max(seen) <= 8 and sum(seen) == sum(lengths)  # chunks of <= 8 real tokens, each token once
+        assert torch.equal(hidden[valid], step_hidden[valid])
+        for layer in range(len(cache.keys)):
+            for row, n in enumerate(lengths):
+                assert torch.equal(cache.keys[layer][row, :, :n], step_cache.keys[layer][row, :, :n])
+                assert torch.equal(cache.values[layer][row, :, :n], step_cache.values[layer][row, :, :n])
+        logits, hidden = model(ids, positions, model.new_cache(2, 32), slots, return_hidden=True)
+        assert torch.equal(logits[valid], step_logits[valid]) and torch.equal(hidden[valid], step_hidden[valid])
+        last = model(ids, positions, model.new_cache(2, 32), slots, last_only=True)
+        assert torch.equal(last, torch.stack([step_logits[row, n - 1] for row, n in enumerate(lengths)]))

@@ -46,8 +46,11 @@ DRAFT_LANES = {
     "eagle g4 fixed": ("eagle-fixed", 4, 0.0),  # every head chain gamma long (stop_below 0)
     "head g6": ("eagle-head", 6, 0.0),  # the head alone, no lookup (lookup_min_n 0)
     "ngram g6 T=1": ("ngram", 6, 1.0),
+    "eagle g3 T=1": ("eagle", 3, 1.0),
+    "eagle g4 T=1": ("eagle", 4, 1.0),
     "eagle g6 T=1": ("eagle", 6, 1.0),
     "eagle g4 fixed T=1": ("eagle-fixed", 4, 1.0),
+    "head g3 T=1": ("eagle-head", 3, 1.0),
     "head g6 T=1": ("eagle-head", 6, 1.0),
 }
 DEFAULT_LANES = [lane for lane in DRAFT_LANES if not lane.startswith("self-spec")]

@@ -781,6 +781,8 @@ class CausalLM(nn.Module):
         )
         # the whole stack in one C call runs only the real tokens (padding costs nothing), so its limit counts those
         limit = native.layer_max_rows(self.dtype, self.quantized)  # bf16 / quantized: up to 160 rows (every 16-request verification)
+        if c_paths and real_rows > limit and input_ids.shape[0] <= limit and self._chunks_long_forwards():
+            return self._chunked_forward(input_ids, positions, cache, slots, limit, last_only, return_hidden, logits, out)
         stack = self.native_stack() if c_paths and native.attention_applies(real_rows, self.args.head_dim, cache.keys[0], limit) else None
         native_path = stack is None and c_paths and native.attention_applies(rows, self.args.head_dim, cache.keys[0], limit)
         batch = Batch(self, cache, slots, positions, kv_length, slot_list[0] if contiguous else None, native_path)
@@ -803,6 +805,49 @@ class CausalLM(nn.Module):
         if last_only:
             hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(valid)]  # [B, H]
         scores = self._head(hidden)  # [B, T, V] or [B, V]
+        if out is not None:
+            scores = out.copy_(scores)
+        return (scores, hidden) if return_hidden else scores
+
+    def _chunks_long_forwards(self) -> bool:
+        """Whether a forward of more real tokens than the C paths take (a prefill) runs as consecutive column chunks
+        through them: for quantized weights, whose alternative dequantizes every weight per call and multiplies in
+        float32 (Gemma-3-270M Q4_K_M, 2 threads: ~0.8 ms a token through the stack in chunks of 160 against
+        ~2.0-2.4 through the upcast, bench/bench_prefill.py). A chunked prefill also writes the K/V each token would
+        get from a decode step, since the stack is batch-invariant."""
+        return self.quantized and self.native_stack() is not None
+
+    def _chunked_forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, limit: int,
+                         last_only: bool, return_hidden: bool, logits: bool,
+                         out: Tensor | None) -> Tensor | tuple[Tensor, Tensor] | None:
+        """forward() as consecutive column chunks of at most `limit` tokens (limit // B columns each), each chunk's K/V
+        written before the next attends to it; the logits, hidden states or last-token scores put back together as
+        one call returns them."""
+        B, T = input_ids.shape
+        width = max(1, limit // B)
+        wants_hidden = return_hidden or (logits and last_only)  # last_only scores the last real token's state
+        hidden_parts: list[Tensor] = []
+        logit_parts: list[Tensor] = []
+        for start in range(0, T, width):
+            part = self.forward(input_ids[:, start : start + width], positions[:, start : start + width], cache, slots,
+                                return_hidden=wants_hidden, logits=logits and not last_only)
+            if logits and not last_only:
+                scores, hidden = part if wants_hidden else (part, None)
+                logit_parts.append(scores)
+            else:
+                hidden = part
+            if hidden is not None:
+                hidden_parts.append(hidden)
+        hidden = torch.cat(hidden_parts, dim=1) if hidden_parts else None  # [B, T, H]
+        if not logits:
+            return hidden if return_hidden else None
+        if last_only:
+            valid = positions >= 0
+            picked = hidden[torch.arange(B), last_token_index(valid)]  # [B, H]; a row of padding only has zeros there
+            scores = self._head(picked)  # [B, V]
+            hidden = picked
+        else:
+            scores = torch.cat(logit_parts, dim=1)  # [B, T, V]
         if out is not None:
             scores = out.copy_(scores)
         return (scores, hidden) if return_hidden else scores
