@@ -210,3 +210,31 @@ def test_thresholds_reject_bad_values():
         decision.Thresholds(memory_headroom=1.5).validate()
     with pytest.raises(ValueError, match="--target-concurrency"):
         decision.Thresholds(target_concurrency=0).validate()
+
+
+@pytest.mark.parametrize("source_tps, source_verdict, expected", [
+    (40.0, "GO", "recommended"),  # the schedule ran faster: it is the advice
+    (60.0, "GO", "default"),  # the configuration it came from ran faster: what ran is the advice
+    (60.0, "NO-GO", "recommended"),  # faster but NO-GO: a GO schedule stays
+])
+def test_a_schedule_that_measured_worse_than_its_source_gives_way_to_it(source_tps, source_verdict, expected):
+    from specgate.gate.recommend import Advice
+    from specgate.gate.report import _recommendation
+
+    def result(tps: float) -> dict:
+        return {"engine": "specgate", "command": f"serve {tps}", "sweep": [{"concurrency": 1, "output_tokens_per_s": tps}]}
+
+    def config(verdict: str, ratio: float) -> dict:
+        return {"verdict": verdict, "analysis": {"per_concurrency": [{"concurrency": 1, "measured_speedup": ratio}]}}
+
+    results = {"recommended": result(50.0), "default": result(source_tps)}
+    configs = {"recommended": config("GO", 1.4), "default": config(source_verdict, 1.6)}
+    advice = Advice("schedule", "default", "default passed every binding criterion")
+    rec = _recommendation(advice, configs, results, {"engine": "specgate"}, 1, "recommended")
+    assert rec["config"] == expected and rec["based_on"] == "default" and rec["measured"]
+    assert rec["verdict"] == configs[expected]["verdict"] and rec["command"] == results[expected]["command"]
+    assert rec["throughput_ratio"] == {"1": configs[expected]["analysis"]["per_concurrency"][0]["measured_speedup"]}
+    if expected == "default":
+        assert rec["kind"] == "config" and "ran 50 tok/s against 60 for `default` at concurrency 1" in rec["reason"]
+    else:
+        assert rec["kind"] == "schedule" and rec["reason"] == advice.reason

@@ -12,7 +12,8 @@ The rule (docs/GATE.md, "The recommendation"):
    greedy output is recommended as its schedule: on at the loads where it paid, off elsewhere.
 4. Else: no speculation (the baseline), verdict NO-GO.
 The gate launches the recommendation (2-3) as the configuration `recommended` with the same phases, and its
-verdict comes from those measurements, not from the ones it was derived from.
+verdict comes from those measurements, not from the ones it was derived from. Should that run measure worse than
+the configuration it came from, that configuration, as it ran, is the advice (report._recommendation).
 """
 
 from __future__ import annotations

@@ -120,9 +120,33 @@ def _recommendation(advice: Any, configs: dict, results: dict, baseline: dict, c
     measured = name in configs and not results[name].get("failure")
     verdict = configs[name]["verdict"] if measured else "NO-GO"
     reason = advice.reason if measured else f"{advice.reason}; but the recommendation's own run failed: {(results.get(name) or {}).get('failure')}"
+    kind = advice.kind
+    source = advice.based_on
+    if measured and name != source and _measured_better(source, name, configs, results, concurrency):
+        from specgate.gate.recommend import throughput
+
+        ours, theirs = throughput(results[name], concurrency), throughput(results[source], concurrency)
+        reason = (f"{advice.reason}; but its schedule, measured as `{name}`, ran {_f(ours)} tok/s against {_f(theirs)} for "
+                  f"`{source}` at concurrency {concurrency}: `{source}` is recommended as it ran")
+        name, kind, verdict = source, "config", configs[source]["verdict"]
     return {"config": name, "engine": results.get(name, {}).get("engine"), "command": results.get(name, {}).get("command"),
-            "measured": measured, "verdict": verdict, "throughput_ratio": ratios(name), "kind": advice.kind, "based_on": advice.based_on,
+            "measured": measured, "verdict": verdict, "throughput_ratio": ratios(name), "kind": kind, "based_on": source,
             "reason": reason}
+
+
+def _measured_better(source: str | None, name: str, configs: dict, results: dict, concurrency: int) -> bool:
+    """Whether the configuration a schedule was derived from measured better than the schedule's own run: GO where
+    the schedule is not, or as GO (or as NO-GO) with more output tokens/s at the target concurrency. A schedule
+    fills in gammas the analysis predicts from one measured gamma; when its run is slower, what ran is the advice."""
+    from specgate.gate.recommend import throughput
+
+    if source not in configs or results[source].get("failure"):
+        return False
+    ours, theirs = throughput(results[name], concurrency), throughput(results[source], concurrency)
+    go, source_go = configs[name]["verdict"] == "GO", configs[source]["verdict"] == "GO"
+    if go != source_go:
+        return source_go
+    return ours is not None and theirs is not None and theirs > ours
 
 
 def _headline(configs: dict[str, Any], results: dict[str, dict], concurrency: int) -> str | None:
@@ -280,7 +304,8 @@ def recommendation_lines(report: dict[str, Any]) -> list[str]:
         return [f"**Recommendation: serve without speculation** ({r['reason']}).",
                 *([f"", "```", r["command"], "```"] if r.get("command") else [])]
     ratios = ", ".join(f"C={c}: {_f(v)}x" for c, v in r["throughput_ratio"].items())
-    lines = [f"**Recommendation: `{r['config']}`** on {r['engine']} ({r['kind']}, from `{r['based_on']}`), measured as its own "
+    origin = "as it ran" if r["config"] == r["based_on"] else f"{r['kind']}, from `{r['based_on']}`"
+    lines = [f"**Recommendation: `{r['config']}`** on {r['engine']} ({origin}), measured as its own "
              f"configuration: **{r['verdict']}**; throughput vs the baseline {ratios or 'n/a'}.", "", f"Why: {r['reason']}."]
     if r.get("command"):
         lines += ["", "```", r["command"], "```"]
