@@ -212,12 +212,13 @@ def test_thresholds_reject_bad_values():
         decision.Thresholds(target_concurrency=0).validate()
 
 
-@pytest.mark.parametrize("source_tps, source_verdict, expected", [
-    (40.0, "GO", "recommended"),  # the schedule ran faster: it is the advice
-    (60.0, "GO", "default"),  # the configuration it came from ran faster: what ran is the advice
-    (60.0, "NO-GO", "recommended"),  # faster but NO-GO: a GO schedule stays
+@pytest.mark.parametrize("kind, source_tps, source_verdict, expected", [
+    ("schedule", 40.0, "GO", "recommended"),  # the schedule ran faster: it is the advice
+    ("schedule", 60.0, "GO", "default"),  # the configuration it came from ran faster: what ran is the advice
+    ("schedule", 60.0, "NO-GO", "recommended"),  # faster but NO-GO: a GO schedule stays
+    ("config", 60.0, "GO", "recommended"),  # a configuration launched again as it ran: its second run is the verdict
 ])
-def test_a_schedule_that_measured_worse_than_its_source_gives_way_to_it(source_tps, source_verdict, expected):
+def test_a_schedule_that_measured_worse_than_its_source_gives_way_to_it(kind, source_tps, source_verdict, expected):
     from specgate.gate.recommend import Advice
     from specgate.gate.report import _recommendation
 
@@ -229,7 +230,7 @@ def test_a_schedule_that_measured_worse_than_its_source_gives_way_to_it(source_t
 
     results = {"recommended": result(50.0), "default": result(source_tps)}
     configs = {"recommended": config("GO", 1.4), "default": config(source_verdict, 1.6)}
-    advice = Advice("schedule", "default", "default passed every binding criterion")
+    advice = Advice(kind, "default", "default passed every binding criterion")
     rec = _recommendation(advice, configs, results, {"engine": "specgate"}, 1, "recommended")
     assert rec["config"] == expected and rec["based_on"] == "default" and rec["measured"]
     assert rec["verdict"] == configs[expected]["verdict"] and rec["command"] == results[expected]["command"]
@@ -237,4 +238,4 @@ def test_a_schedule_that_measured_worse_than_its_source_gives_way_to_it(source_t
     if expected == "default":
         assert rec["kind"] == "config" and "ran 50 tok/s against 60 for `default` at concurrency 1" in rec["reason"]
     else:
-        assert rec["kind"] == "schedule" and rec["reason"] == advice.reason
+        assert rec["kind"] == kind and rec["reason"] == advice.reason

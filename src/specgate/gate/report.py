@@ -122,7 +122,7 @@ def _recommendation(advice: Any, configs: dict, results: dict, baseline: dict, c
     reason = advice.reason if measured else f"{advice.reason}; but the recommendation's own run failed: {(results.get(name) or {}).get('failure')}"
     kind = advice.kind
     source = advice.based_on
-    if measured and name != source and _measured_better(source, name, configs, results, concurrency):
+    if advice.kind == "schedule" and measured and name != source and _measured_better(source, name, configs, results, concurrency):
         from specgate.gate.recommend import throughput
 
         ours, theirs = throughput(results[name], concurrency), throughput(results[source], concurrency)
@@ -137,7 +137,9 @@ def _recommendation(advice: Any, configs: dict, results: dict, baseline: dict, c
 def _measured_better(source: str | None, name: str, configs: dict, results: dict, concurrency: int) -> bool:
     """Whether the configuration a schedule was derived from measured better than the schedule's own run: GO where
     the schedule is not, or as GO (or as NO-GO) with more output tokens/s at the target concurrency. A schedule
-    fills in gammas the analysis predicts from one measured gamma; when its run is slower, what ran is the advice."""
+    fills in gammas the analysis predicts from one measured gamma; when its run is slower, what ran is the advice.
+    Only for a schedule: a configuration recommended as it ran is launched again, and taking the better of its two
+    runs would pick noise."""
     from specgate.gate.recommend import throughput
 
     if source not in configs or results[source].get("failure"):
