@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specgate.drafting.eagle import FEATURE_FINAL_NORM, target_features
 
 
 def on_draft_columns(p: Tensor, d2t: Tensor) -> Tensor:
@@ -49,11 +48,12 @@ def root_distributions(target: Any, head: Any, texts: list[str], temperature: fl
         length = ids.shape[1]
         if length < 3:
             continue
-        logits = model.forward(ids, torch.arange(length)[None], model.new_cache(1, length), torch.zeros(1, dtype=torch.int64)).float()[0]  # [T, V_t]
-        features = target_features(model, ids, [FEATURE_FINAL_NORM])  # [1, T, 1, H]
+        # one pass gives the logits and the final-norm states the engine hands the head
+        logits, hidden = model.forward(ids, torch.arange(length)[None], model.new_cache(1, length), torch.zeros(1, dtype=torch.int64), return_hidden=True)
+        features = hidden.float()[:, :, None]  # [1, T, 1, H]
         # head index j reads (h_j, x_{j+1}) and drafts x_{j+2}: the target's distribution after x_{j+1}
         draft_logits = head.unrolled(ids[:, 1 : length - 1], features[:, : length - 2], 1)[0][0][0].float()  # [T-2, V_d]
-        target_logits = logits[1 : length - 1]  # [T-2, V_t]
+        target_logits = logits[0, 1 : length - 1].float()  # [T-2, V_t]
         ps.append(on_draft_columns(torch.softmax(target_logits / temperature, -1), head.d2t))
         qs.append(torch.nn.functional.pad(torch.softmax(draft_logits / temperature, -1), (0, 1)))
         tops.append(column[target_logits.argmax(-1)])
