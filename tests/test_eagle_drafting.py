@@ -24,7 +24,7 @@ from specgate.drafting.eagle_drafter import EagleDrafter, HeadCostProxy, HeadSta
 from specgate.engine import generate
 from specgate.engine.lossless_real import run_model_check
 from specgate.models import load_model, native
-from specgate.sampling import SamplingParams, logits_to_probs
+from specgate.sampling import SamplingParams, SparseProbs, logits_to_probs
 from specgate.serving import FixedPolicy, Request, Scheduler, TablePolicy
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -257,7 +257,8 @@ def test_a_recurring_bigram_drafts_its_continuation_with_one_hot_q_and_no_head_s
     looked_up = propose(ids, 2)
     assert looked_up.tokens.tolist() == [13, 14, 11, 12] and looked_up.draft_probs is None and looked_up.forward_passes == 0
     alone = propose(ids, 0)
-    assert alone.forward_passes == 4 and alone.draft_probs.shape == (4, 512)
+    assert alone.forward_passes == 4 and alone.draft_probs.values.shape == (4, head.d2t.numel())  # q on d2t's columns
+    assert alone.draft_probs.support is head.d2t and alone.draft_probs.to_dense(512).shape == (4, 512)
     fresh = propose(ids[:5], 2)  # last bigram (13, 14) never seen before
     assert fresh.forward_passes == 4 and fresh.draft_probs is not None
     tokens, q = EagleDrafter(head, target).sample_batch(torch.stack([ids, ids]), 6, params, torch.Generator().manual_seed(0))
@@ -295,7 +296,8 @@ def test_sampled_q_is_the_heads_processed_softmax_on_the_target_vocabulary(targe
     drafter.begin(ids, params, torch.Generator().manual_seed(0), 16)
     drafter.observe_features(0, feats[:-1])
     proposal = drafter.propose(ids, 3)
-    q = proposal.draft_probs  # [G, V_t]
+    assert isinstance(proposal.draft_probs, SparseProbs) and proposal.draft_probs.support is head.d2t
+    q = proposal.draft_probs.to_dense(512)  # [G, V_t]
     assert q.shape == (3, 512)
     torch.testing.assert_close(q.sum(-1), torch.ones(3))
     outside = torch.ones(512, dtype=torch.bool)

@@ -29,12 +29,13 @@ def test_exact_sampler_passes_every_test(suite):
     assert suite["verdict"] == "pass"
     assert suite["num_samples"] >= 100_000
     assert suite["per_test_alpha"] == pytest.approx(0.01 / suite["num_tests"])
+    assert {c["sampler"] for c in suite["cases"]} == {"rejection_sample", "rejection_sample_logits", "rejection_sample_logits, SparseProbs q"}
     assert len(suite["cases"]) == suite["num_tests"]
 
 
 def test_every_negative_control_is_caught(suite):
     names = {c["name"] for c in suite["negative_controls"]}
-    assert {"shared_uniform_accept_and_residual", "unnormalised_residual", "p_q_swapped"} <= names
+    assert {"shared_uniform_accept_and_residual", "unnormalised_residual", "p_q_swapped", "sparse_q_repeated_column_dropped"} <= names
     assert {"typical_acceptance_lossy", "synthetic_acceptance_lossy", "entropy_gated_lossy"} <= names
     not_caught = [c["name"] for c in suite["negative_controls"] if c["verdict"] != "fail"]
     assert not not_caught, not_caught

@@ -10,13 +10,16 @@ from hypothesis import strategies as st
 from specgate.sampling import (
     EntropyGatedLossy,
     SamplingParams,
+    SparseProbs,
     SyntheticAcceptanceLossy,
     TypicalAcceptanceLossy,
     greedy_verify,
     logits_to_probs,
     rejection_sample,
+    rejection_sample_logits,
     verify,
 )
+from specgate.models import native
 from specgate.sampling.reference import reference_greedy_verify, reference_inverse_cdf, reference_rejection_sample
 from specgate.sampling.verifier import block_entries, block_sums, inverse_cdf_sample, row_columns
 
@@ -503,3 +506,69 @@ def test_logits_path_with_no_draft_positions():
     probs = logits_to_probs(target_logits, params)
     assert_same(out, rejection_sample(empty, torch.zeros(5, dtype=torch.int64), None, probs, generators(4, 5)))
     assert out.output_tokens.shape == (5, 1) and (out.num_accepted == 0).all()
+
+
+def random_logits_batch(gen, batch, gamma, vocab, *, q_kind):
+    """Target logits (some -inf), drafts drawn from q, and q as None / dense / SparseProbs (columns shuffled, a few
+    listed twice with split mass, plus columns q gives no mass)."""
+    target_logits = 3 * torch.randn(batch, gamma + 1, vocab, generator=gen)
+    target_logits[torch.rand(target_logits.shape, generator=gen) < 0.2] = float("-inf")
+    target_logits[..., 0] = 0.0
+    dense = random_probs(gen, batch, gamma, vocab)
+    draft_tokens = torch.multinomial(dense.view(-1, vocab), 1, generator=gen).view(batch, gamma)
+    num_draft_tokens = torch.randint(0, gamma + 1, (batch,), generator=gen)
+    if q_kind == "none":
+        return target_logits, draft_tokens, num_draft_tokens, None, None
+    if q_kind == "dense":
+        return target_logits, draft_tokens, num_draft_tokens, dense, dense
+    order = torch.randperm(vocab, generator=gen)
+    twice = order[: vocab // 3 + 1]
+    values = torch.cat([dense[..., order], dense[..., twice]], dim=-1)
+    values[..., : twice.numel()] *= 0.25
+    values[..., vocab:] *= 0.75
+    return target_logits, draft_tokens, num_draft_tokens, SparseProbs(values, torch.cat([order, twice])), dense
+
+
+@pytest.mark.skipif(not native.available(), reason="the C verifier needs specgate's C kernels")
+@pytest.mark.parametrize("q_kind", ["none", "dense", "sparse"])
+def test_c_logits_path_equals_torch_logits_path_draw_for_draw(monkeypatch, q_kind):
+    """The C kernel (native.verify_rows) against the torch logits path on the same uniforms: ragged batches, -inf
+    logits, temperatures, vocabularies across block boundaries; a SparseProbs q reads as its dense form."""
+    gen = torch.Generator().manual_seed(21)
+    for trial in range(30):
+        batch, gamma = int(torch.randint(1, 9, (), generator=gen)), int(torch.randint(0, 6, (), generator=gen))
+        vocab = [3, 511, 513, 1500, 40][trial % 5]
+        temperature = [1.0, 0.6, 1.7][trial % 3]
+        logits, drafts, counts, q, _ = random_logits_batch(gen, batch, gamma, vocab, q_kind=q_kind)
+        fast = rejection_sample_logits(drafts, counts, q, logits, temperature, generators(trial, batch))
+        with monkeypatch.context() as patch:
+            patch.setattr(native, "verify_applies", lambda logits: False)
+            slow = rejection_sample_logits(drafts, counts, q, logits, temperature, generators(trial, batch))
+        assert_same(fast, slow)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=7)])
+def test_sparse_q_verifies_as_its_dense_form(params):
+    """verify() with q as a SparseProbs emits what it emits with the dense q (the C path reads it as it is, top-k
+    makes it dense first)."""
+    gen = torch.Generator().manual_seed(22)
+    for trial in range(10):
+        logits, drafts, counts, sparse, _ = random_logits_batch(gen, 6, 4, 600, q_kind="sparse")
+        dense = sparse.to_dense(600)
+        assert torch.allclose(dense.sum(-1), torch.ones(6, 4))
+        assert_same(verify(drafts, counts, sparse, logits, params, generators(trial, 6)),
+                    verify(drafts, counts, dense, logits, params, generators(trial, 6)))
+
+
+@pytest.mark.parametrize("mutate, fragment", [
+    (lambda q: SparseProbs(q.values, q.support[:-1]), r"support has shape \[\d+\]; expected int64"),
+    (lambda q: SparseProbs(q.values, q.support.clone().fill_(600)), "support contains token id 600"),
+    (lambda q: SparseProbs(q.values[:, :2], q.support), r"values has shape \[6, 2, \d+\]; expected \[B, G, K\] = \[6, 4, K\]"),
+    (lambda q: SparseProbs(q.values * 2, q.support), r"values\[\d, \d\] sums to 2"),
+])
+def test_bad_sparse_q_raises_a_clear_error(mutate, fragment):
+    gen = torch.Generator().manual_seed(23)
+    logits, drafts, _, sparse, _ = random_logits_batch(gen, 6, 4, 600, q_kind="sparse")
+    counts = torch.full((6,), 4)
+    with pytest.raises(ValueError, match=fragment):
+        verify(drafts, counts, mutate(sparse), logits, SamplingParams(temperature=1.0))

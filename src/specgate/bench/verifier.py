@@ -2,7 +2,9 @@
 
 Verifier lanes (median wall ms per call, after warm-up): rejection_sample with and without input validation,
 token-only (draft_probs None, as for the n-gram drafter), greedy_verify on logits, and verify() from logits (the
-softmax normalisers + sampling: what the engine calls per step). Inputs are realistic: peaked target logits (8
+softmax normalisers + sampling: what the engine calls per step) three ways: the C kernel (models.native.verify_rows,
+taken wherever it is built), the torch path it replaced (the kernel switched off for the lane), and the C kernel
+with q on 12,288 columns as a SparseProbs (the EAGLE head's form). Inputs are realistic: peaked target logits (8
 dominant tokens over a Gaussian tail), draft logits = target logits + noise, drafts sampled from q. The baseline: one
 target forward step for the same batch (B rows x G+1 tokens after a 64-token prefill) in the same process.
 """
@@ -16,9 +18,11 @@ from typing import Any
 import torch
 
 from specgate.bench.timing import median_call_s
-from specgate.sampling import SamplingParams, greedy_verify, logits_to_probs, rejection_sample, verify
+from specgate.models import native
+from specgate.sampling import SamplingParams, SparseProbs, greedy_verify, logits_to_probs, rejection_sample, verify
 
 BATCH, GAMMA, VOCAB = 16, 4, 262_144
+SPARSE_COLUMNS = 12_288  # the EAGLE head's d2t map on Gemma-3
 PREFILL_TOKENS = 64
 
 
@@ -29,6 +33,8 @@ class VerifierInputs:
     draft_probs: torch.Tensor  # [B, G, V]
     draft_tokens: torch.Tensor  # [B, G]
     num_draft_tokens: torch.Tensor  # [B]
+    sparse_probs: SparseProbs  # q on SPARSE_COLUMNS columns (the dominant tokens among them), values [B, G, K]
+    sparse_tokens: torch.Tensor  # [B, G] drafts drawn from sparse_probs
 
 
 def realistic_inputs(seed: int = 0, batch: int = BATCH, gamma: int = GAMMA, vocab: int = VOCAB) -> VerifierInputs:
@@ -40,8 +46,25 @@ def realistic_inputs(seed: int = 0, batch: int = BATCH, gamma: int = GAMMA, voca
     params = SamplingParams()
     draft_probs = logits_to_probs(draft_logits, params)
     draft_tokens = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=gen).view(batch, gamma)
+    rest = torch.randperm(vocab, generator=gen)
+    support = torch.cat([top.unique(), rest[~torch.isin(rest, top)]])[: min(SPARSE_COLUMNS, vocab)]  # [K]
+    values = logits_to_probs(draft_logits[..., support], params)  # [B, G, K]
+    picked = torch.multinomial(values.reshape(-1, support.numel()), 1, generator=gen).view(batch, gamma)
     return VerifierInputs(target_logits, logits_to_probs(target_logits, params), draft_probs, draft_tokens,
-                          torch.full((batch,), gamma, dtype=torch.int64))
+                          torch.full((batch,), gamma, dtype=torch.int64), SparseProbs(values, support), support[picked])
+
+
+def without_kernel(fn: Any) -> Any:
+    """fn run with the C verifier switched off (rejection_sample_logits takes its torch path)."""
+    def run() -> Any:
+        saved = native.verify_applies
+        native.verify_applies = lambda logits: False
+        try:
+            return fn()
+        finally:
+            native.verify_applies = saved
+
+    return run
 
 
 def verifier_lanes(repeats: int, inputs: VerifierInputs | None = None) -> tuple[dict[str, float], float]:
@@ -56,6 +79,10 @@ def verifier_lanes(repeats: int, inputs: VerifierInputs | None = None) -> tuple[
         "rejection_sample token-only (q None)": lambda: rejection_sample(x.draft_tokens, x.num_draft_tokens, None, x.target_probs, gens),
         "greedy_verify (logits)": lambda: greedy_verify(x.draft_tokens, x.num_draft_tokens, x.target_logits),
         "verify() incl. softmax of logits": lambda: verify(x.draft_tokens, x.num_draft_tokens, x.draft_probs, x.target_logits, params, gens),
+        "verify(), torch path (C kernel off)": without_kernel(
+            lambda: verify(x.draft_tokens, x.num_draft_tokens, x.draft_probs, x.target_logits, params, gens)),
+        "verify(), q a SparseProbs on 12,288 columns": lambda: verify(
+            x.sparse_tokens, x.num_draft_tokens, x.sparse_probs, x.target_logits, params, gens),
     }
     mean_accepted = float(rejection_sample(x.draft_tokens, x.num_draft_tokens, x.draft_probs, x.target_probs, gens).num_accepted.double().mean())
     return {name: 1e3 * median_call_s(fn, repeats, warmup=3) for name, fn in lanes.items()}, mean_accepted

@@ -42,8 +42,9 @@ class DraftProposal:
     """What a drafter proposes for one request at one step."""
 
     tokens: Tensor  # [G'] int64, G' <= gamma (may be 0: nothing to propose)
-    # q: [G', V_target] float32, or G' tensors [V_target] (a batched drafter's per-token rows), or None (one-hot on `tokens`)
-    draft_probs: Tensor | Sequence[Tensor] | None
+    # q: [G', V_target] float32, or G' tensors [V_target] (a batched drafter's per-token rows), or a
+    # specgate.sampling.SparseProbs with values [G', K] on K target columns, or None (one-hot on `tokens`)
+    draft_probs: Tensor | Sequence[Tensor] | Any | None
     forward_passes: int = 0  # draft-model forward calls spent on this proposal (0 for lookup drafters)
 
     @property

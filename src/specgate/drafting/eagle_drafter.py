@@ -11,9 +11,10 @@ own output feature with the token just drafted at the next row (L-1, L, ...). Th
 proposal writes them again from the target's states, so a rejected draft needs no undo (the cache is indexed by
 absolute position, like the target's).
 
-q: the head's logits over its d2t vocabulary processed with the request's SamplingParams, sampled by the draft
-model's own sampler (model_drafter.sample_draft) and scattered onto the target vocabulary with zeros elsewhere;
-the target's residual (p - q)+ covers the rest, so verification stays exact. Greedy: argmax, q one-hot (None).
+q: the head's logits over its d2t vocabulary processed with the request's SamplingParams and sampled by the draft
+model's own sampler (model_drafter.sample_draft_ids). It stays on the d2t columns, zero elsewhere (a SparseProbs:
+the verifier reads 12,288 columns, not 262,144); the target's residual (p - q)+ covers the rest, so verification
+stays exact. Greedy: argmax, q one-hot (None).
 
 Prompt lookup first: where the context's last n >= lookup_min_n tokens (n up to 3) occurred before, a request's
 proposal is what followed them (specgate.drafting.ngram; q one-hot, no head step), and the head drafts only where
@@ -34,8 +35,9 @@ from torch import Tensor
 
 from specgate.drafting.base import DraftProposal, Drafter
 from specgate.drafting.eagle import FEATURE_FINAL_NORM, EagleHead, drafting_step
-from specgate.drafting.model_drafter import sample_draft
+from specgate.drafting.model_drafter import sample_draft, sample_draft_ids
 from specgate.drafting.ngram import NgramDrafter
+from specgate.sampling import SparseProbs
 
 # A chain stops once the product of the head's top-1 probabilities along it falls below this: the next draft would
 # likely be rejected, and a rejected draft costs a head step and a verified position for nothing. gamma is then the
@@ -125,19 +127,27 @@ class EagleProposer:
     ) -> list[DraftProposal]:
         """Draft gammas[i] tokens after contexts[i] `# [L_i]` for the request in slots[i] with head state states[i],
         sampled with its params[i] and generators[i]: a lookup's continuation where its context has a match (q
-        one-hot: draft_probs None), else the head's chain, whose draft_probs is its list of per-token q `# [V_t]`
-        (None for greedy rows). forward_passes: the head steps the chain took (a batch shares them), 0 for a lookup."""
+        one-hot: draft_probs None), else the head's chain, whose draft_probs is its q `# [G', V_d']` on the d2t
+        columns (a SparseProbs; a dense [G', V_t] when the head has no map; None for greedy rows).
+        forward_passes: the head steps the chain took (a batch shares them), 0 for a lookup."""
+        d2t = self.head.d2t
 
         def sample(logits: Tensor, rows: list[int]) -> tuple[Tensor, Tensor | None]:
-            drawn = [sample_draft(logits[k : k + 1], params[i], generators[i], self.head.d2t, self.target_vocab_size) for k, i in enumerate(rows)]
-            return torch.cat([t for t, _ in drawn]), [None if q is None else q[0] for _, q in drawn]  # greedy rows: no q
+            drawn = [sample_draft_ids(logits[k : k + 1], params[i], generators[i]) for k, i in enumerate(rows)]
+            ids = torch.cat([t for t, _ in drawn])
+            return (ids if d2t is None else d2t[ids]), [None if q is None else q[0] for _, q in drawn]  # greedy rows: no q
+
+        def draft_probs(qs: list[Tensor]) -> Tensor | SparseProbs | None:
+            if not qs:
+                return None
+            return torch.stack(qs) if d2t is None else SparseProbs(torch.stack(qs), d2t)  # [G', V_d'] on d2t's columns
 
         lookups = [state.lookup.propose(context, gamma).tokens if state.lookup is not None and gamma > 0 else None
                    for state, context, gamma in zip(states, contexts, gammas)]
         looked_up = [found is not None and found.numel() > 0 for found in lookups]
         tokens, probs = self.draft(slots, states, contexts, [0 if hit else gamma for hit, gamma in zip(looked_up, gammas)], sample)
         return [DraftProposal(tokens=found, draft_probs=None) if hit
-                else DraftProposal(tokens=torch.tensor(row, dtype=torch.int64), draft_probs=qs or None, forward_passes=len(row))
+                else DraftProposal(tokens=torch.tensor(row, dtype=torch.int64), draft_probs=draft_probs(qs), forward_passes=len(row))
                 for row, qs, found, hit in zip(tokens, probs, lookups, looked_up)]
 
     @torch.inference_mode()
@@ -230,10 +240,8 @@ class EagleDrafter(Drafter):
         self.state.observe(start, features)
 
     def propose(self, context_ids: Tensor, gamma: int) -> DraftProposal:
-        proposal = self.proposer.propose([0], [self.state], [context_ids], [gamma], [self.params], [self.generator])[0]
-        if proposal.draft_probs is not None:
-            proposal.draft_probs = torch.stack(list(proposal.draft_probs))  # [G', V_t]
-        return proposal  # forward_passes: one head step per head draft (the first also feeds the new rows)
+        # forward_passes: one head step per head draft (the first also feeds the new rows)
+        return self.proposer.propose([0], [self.state], [context_ids], [gamma], [self.params], [self.generator])[0]
 
     @torch.inference_mode()
     def sample_batch(self, contexts: Tensor, gamma: int, params: Any, generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from specgate.drafting.base import DraftProposal
 from specgate.models import native
-from specgate.sampling import SamplingParams, VerifierOutput, greedy_verify, logits_to_probs, rejection_sample, verify
+from specgate.sampling import SamplingParams, SparseProbs, VerifierOutput, dense_draft_probs, greedy_verify, logits_to_probs, rejection_sample, verify
 from specgate.text import OutputText
 
 VERIFY_STREAM, DRAFT_STREAM = 0, 1  # a request's independent random streams
@@ -146,9 +146,9 @@ def decode_step(
         index = torch.tensor(kept, dtype=torch.int64)
         states, proposals = [states[i] for i in kept], [proposals[i] for i in kept]
         draft_tokens, num_drafts = draft_tokens[index], num_drafts[index]
-        target_logits, target_argmax = target_logits[index], target_argmax[index]
+        target_logits, target_argmax, peak = target_logits[index], target_argmax[index], peak[index]
         features = None if features is None else features[index]
-    result = _verify(states, proposals, draft_tokens, num_drafts, target_logits, target_argmax, lossy)
+    result = _verify(states, proposals, draft_tokens, num_drafts, target_logits, target_argmax, peak, lossy)
     num_accepted = result.num_accepted.tolist()
     output = result.output_tokens.tolist()
     emitted = [row[: accepted + 1] for row, accepted in zip(output, num_accepted)]
@@ -179,6 +179,7 @@ def _verify(
     num_drafts: Tensor,  # [B]
     target_logits: Tensor,  # [B, G+1, V]
     target_argmax: Tensor,  # [B, G+1]
+    target_max: Tensor,  # [B, G+1]
     lossy: Any,
 ) -> VerifierOutput:
     """One verification call for the batch: greedy when every row is, else rejection sampling (or lossy)."""
@@ -186,12 +187,13 @@ def _verify(
     generators = [state.verify_generator for state in states]
     if lossy is None and all(p.greedy for p in params):
         return greedy_verify(draft_tokens, num_drafts, target_logits, target_argmax=target_argmax)
-    draft_probs = _draft_probs(proposals, draft_tokens.shape[1], target_logits.shape[-1])  # [B, G, V] or None
+    draft_probs = _draft_probs(proposals, draft_tokens.shape[1], target_logits.shape[-1])  # [B, G, V], SparseProbs or None
     same_params = all(p == params[0] for p in params)
     if lossy is not None:  # labelled LOSSY verification: output.lossless is False
-        return lossy.verify(draft_tokens, num_drafts, draft_probs, _target_probs(target_logits, params, same_params), generators)
+        dense = dense_draft_probs(draft_probs, target_logits.shape[-1])
+        return lossy.verify(draft_tokens, num_drafts, dense, _target_probs(target_logits, params, same_params), generators)
     if same_params:
-        return verify(draft_tokens, num_drafts, draft_probs, target_logits, params[0], generators)
+        return verify(draft_tokens, num_drafts, draft_probs, target_logits, params[0], generators, row_max=target_max)
     return rejection_sample(draft_tokens, num_drafts, draft_probs, _target_probs(target_logits, params, False), generators)
 
 
@@ -202,17 +204,41 @@ def _target_probs(target_logits: Tensor, params: list[SamplingParams], same_para
     return torch.stack([logits_to_probs(target_logits[row], p) for row, p in enumerate(params)])
 
 
-def _draft_probs(proposals: Sequence[DraftProposal], width: int, vocab: int) -> Tensor | None:
-    """q `# [B, G, V]` for the verifier (one-hot where a row has none); None when no row has a q."""
+def _draft_probs(proposals: Sequence[DraftProposal], width: int, vocab: int) -> Tensor | SparseProbs | None:
+    """q for the verifier: `# [B, G, V]` (one-hot where a row has none), or a SparseProbs when the rows with a q
+    share one SparseProbs support (rows without one add their drafts as columns); None when no row has a q."""
     if width == 0 or all(proposal.draft_probs is None for proposal in proposals):
         return None
-    if len(proposals) == 1 and isinstance(proposals[0].draft_probs, Tensor):
-        return proposals[0].draft_probs[None]  # batch 1: no copy
+    given = [proposal.draft_probs for proposal in proposals if proposal.draft_probs is not None]
+    if len(proposals) == 1 and isinstance(given[0], SparseProbs):  # batch 1: no copy
+        return SparseProbs(given[0].values[None], given[0].support)
+    if len(proposals) == 1 and isinstance(given[0], Tensor):
+        return given[0][None]
+    if all(isinstance(q, SparseProbs) and q.support is given[0].support for q in given):
+        return _sparse_draft_probs(proposals, width, given[0].support)
     draft_probs = torch.zeros(len(proposals), width, vocab)  # [B, G, V]
     for row, proposal in enumerate(proposals):
+        q = proposal.draft_probs.to_dense(vocab) if isinstance(proposal.draft_probs, SparseProbs) else proposal.draft_probs
         for i, token in enumerate(proposal.tokens.tolist()):
-            if proposal.draft_probs is None:
+            if q is None:
                 draft_probs[row, i, token] = 1.0
             else:
-                draft_probs[row, i] = proposal.draft_probs[i]
+                draft_probs[row, i] = q[i]
     return draft_probs
+
+
+def _sparse_draft_probs(proposals: Sequence[DraftProposal], width: int, support: Tensor) -> SparseProbs:
+    """The batch's q on the shared support's K columns plus one column per draft of the rows without a q (one-hot
+    there): values `# [B, G, K + E]`."""
+    one_hot = [(row, i, token) for row, proposal in enumerate(proposals) if proposal.draft_probs is None
+               for i, token in enumerate(proposal.tokens.tolist())]
+    columns = support.shape[0]
+    values = torch.zeros(len(proposals), width, columns + len(one_hot))  # [B, G, K + E]
+    for row, proposal in enumerate(proposals):
+        if proposal.draft_probs is not None:
+            q = proposal.draft_probs.values  # [G_b, K]
+            values[row, : q.shape[0], :columns] = q
+    for extra, (row, i, _) in enumerate(one_hot):
+        values[row, i, columns + extra] = 1.0
+    extra_ids = torch.tensor([token for _, _, token in one_hot], dtype=torch.int64)
+    return SparseProbs(values, torch.cat([support, extra_ids]))

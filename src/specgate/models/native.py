@@ -73,7 +73,7 @@ NORM_MAX_ELEMENTS = 1 << 16  # rms_norm on the calling thread up to 64K elements
 
 
 CSRC = Path(__file__).parent / "csrc"  # the C sources, package data (pyproject.toml)
-SOURCES = ("kernels.c", "quant.c")
+SOURCES = ("kernels.c", "quant.c", "verify.c")
 HEADERS = ("specgate.h",)
 WARNING_FLAGS = ["-Wall", "-Wextra"]
 STRICT_ENV = "SPECGATE_NATIVE_STRICT"  # "1": a missing compiler, a failed build or load raises NativeBuildError
@@ -166,6 +166,7 @@ def _library() -> ctypes.CDLL | None:
         "attn_prep": ([ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64, ptr, ptr, i64], None),
         "attend": ([ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, i32], None),
         "argmax_rows": ([ptr, i64, i64, ptr, ptr, i32], None),
+        "verify_rows": ([ptr, i64, i64, i64, ptr, ctypes.c_double, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32], None),
         "decode_layers": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32], None),
         "specgate_struct_layout": ([ctypes.c_char_p, ptr, i64], i64),
     }
@@ -654,3 +655,54 @@ def max_argmax(x: Tensor) -> tuple[Tensor, Tensor]:
     out = torch.empty(x.shape[:-1], dtype=torch.float32)
     _library().argmax_rows(x.data_ptr(), out.numel(), x.shape[-1], index.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out, index
+
+
+VERIFY_BLOCK = 512  # csrc/verify.c's tokens per block of the inverse CDF (verifier.BLOCK_SIZE)
+
+
+def verify_applies(logits: Tensor) -> bool:
+    """True where verify_rows runs: the C kernels built and logits a contiguous float32 CPU tensor [B, G+1, V]."""
+    return _argmax_applies(logits) and logits.dim() == 3 and logits.shape[1] >= 1
+
+
+def verify_rows(
+    logits: Tensor, row_max: Tensor, temperature: float, draft_tokens: Tensor, num_draft_tokens: Tensor,
+    draft_values: Tensor | None, support: Tensor | None, accept_uniforms: Tensor, sample_uniforms: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The exact temperature-only verification of a ragged batch in C (csrc/verify.c), one thread per row.
+
+    logits `# [B, G+1, V]` float32 (verify_applies), row_max `# [B, G+1]` their maxima, draft_tokens `# [B, G]`
+    (valid ids, 0 past each row's count), num_draft_tokens `# [B]`, draft_values `# [B, G, K]` (q on support's
+    columns; support None: K = V, dense) or None (q one-hot at each draft), support `# [K]` int64 or None,
+    accept_uniforms `# [B, G]` and sample_uniforms `# [B]` float64 -> (num_accepted `# [B]`, final token `# [B]`).
+    No checks beyond shapes: the verifier validates its inputs before calling this."""
+    batch, positions, vocab = logits.shape
+    gamma = positions - 1
+    row_max = row_max.float().contiguous()
+    drafts = draft_tokens.long().contiguous()
+    counts = num_draft_tokens.long().contiguous()
+    accept_uniforms, sample_uniforms = accept_uniforms.double().contiguous(), sample_uniforms.double().contiguous()
+    columns = vocab
+    if draft_values is not None:
+        draft_values = draft_values.float().contiguous()
+        columns = draft_values.shape[-1]
+        if tuple(draft_values.shape) != (batch, gamma, columns) or (support is None and columns != vocab):
+            raise ValueError(f"draft_values has shape {list(draft_values.shape)}; expected [B, G, K] = [{batch}, {gamma}, K] "
+                             f"with K = V = {vocab} when support is None")
+    if support is not None:
+        support = support.long().contiguous()
+    threads = max(1, min(torch.get_num_threads(), batch))
+    scratch = torch.empty(threads, vocab)  # [threads, V] one exp row per thread
+    totals = torch.empty(threads, -(-vocab // VERIFY_BLOCK), dtype=torch.float64)  # [threads, blocks]
+    accepted = torch.empty(batch, dtype=torch.int64)
+    tokens = torch.empty(batch, dtype=torch.int64)
+
+    def pointer(t: Tensor | None) -> int | None:
+        return None if t is None or t.numel() == 0 else t.data_ptr()
+
+    _library().verify_rows(
+        logits.data_ptr(), batch, positions, vocab, row_max.data_ptr(), float(temperature), pointer(drafts),
+        counts.data_ptr(), pointer(draft_values), pointer(support), columns, pointer(accept_uniforms),
+        sample_uniforms.data_ptr(), accepted.data_ptr(), tokens.data_ptr(), scratch.data_ptr(), totals.data_ptr(), threads,
+    )
+    return accepted, tokens

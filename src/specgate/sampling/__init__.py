@@ -14,7 +14,9 @@ from specgate.sampling.lossy import (
 from specgate.sampling.processing import SamplingParams, logits_to_probs
 from specgate.sampling.verifier import (
     PROB_SUM_TOLERANCE,
+    SparseProbs,
     VerifierOutput,
+    dense_draft_probs,
     greedy_verify,
     rejection_sample,
     rejection_sample_logits,
@@ -26,9 +28,11 @@ __all__ = [
     "EntropyGatedLossy",
     "LossyMode",
     "SamplingParams",
+    "SparseProbs",
     "SyntheticAcceptanceLossy",
     "TypicalAcceptanceLossy",
     "VerifierOutput",
+    "dense_draft_probs",
     "greedy_verify",
     "logits_to_probs",
     "rejection_sample",

@@ -12,8 +12,9 @@ autoregressively. The experiment makes that claim checkable:
   * for every position t = 0..G the emitted token's counts are tested against p_t, and the joint counts of
     the first two tokens against p_0 x p_1, with Pearson's chi-square (cells with expected count < 5 pooled;
     a token with p = 0 that is ever emitted fails the test outright, p-value 0).
-Two exact samplers are tested: `rejection_sample` (probabilities) and `rejection_sample_logits` (the path
-verify() takes for temperature-only params). Family-wise significance `significance` (default 0.01) with
+Three exact samplers are tested: `rejection_sample` (probabilities), `rejection_sample_logits` (the path
+verify() takes for temperature-only params: the C kernel where it is built), and the same with q handed over as
+a SparseProbs (what the EAGLE head drafts with: shuffled columns, some listed twice with their mass split). Family-wise significance `significance` (default 0.01) with
 Bonferroni: each test is rejected when its p-value is below significance / (number of tests on the exact
 samplers). The same tests, at the same
 per-test level, are run on each negative control; a control reads "fail" (caught) when any of its tests
@@ -37,6 +38,7 @@ from torch import Tensor
 
 from specgate.sampling.lossy import EntropyGatedLossy, SyntheticAcceptanceLossy, TypicalAcceptanceLossy
 from specgate.sampling.verifier import (
+    SparseProbs,
     VerifierOutput,
     accepted_prefix_length,
     assemble_output,
@@ -251,9 +253,28 @@ def exact_logits_sampler(draft_tokens, num_draft_tokens, draft_probs, target_pro
     return rejection_sample_logits(draft_tokens, num_draft_tokens, draft_probs, target_probs.log(), 1.0, generator)
 
 
+def as_sparse(draft_probs: Tensor) -> SparseProbs:
+    """q `# [B, G, V]` as a SparseProbs over every column in a shuffled order, its first V // 4 columns listed twice
+    with half the mass in each entry (a repeated column adds up): the form the EAGLE head's q takes, made harder."""
+    vocab = draft_probs.shape[-1]
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(vocab))
+    repeated = order[: max(1, vocab // 4)]
+    values = torch.cat([draft_probs[..., order], draft_probs[..., repeated]], dim=-1)  # [B, G, V + V // 4]
+    values[..., : repeated.numel()] *= 0.5
+    values[..., vocab:] *= 0.5
+    return SparseProbs(values, torch.cat([order, repeated]))
+
+
+def exact_sparse_logits_sampler(draft_tokens, num_draft_tokens, draft_probs, target_probs, generator) -> VerifierOutput:
+    """The logits path with q as a SparseProbs (as_sparse)."""
+    q = None if draft_probs is None else as_sparse(draft_probs)
+    return rejection_sample_logits(draft_tokens, num_draft_tokens, q, target_probs.log(), 1.0, generator)
+
+
 def exact_samplers() -> dict[str, Sampler]:
-    """The exact samplers under test: the probability path and the logits path."""
-    return {"rejection_sample": exact_sampler, "rejection_sample_logits": exact_logits_sampler}
+    """The exact samplers under test: the probability path, the logits path, the logits path with a sparse q."""
+    return {"rejection_sample": exact_sampler, "rejection_sample_logits": exact_logits_sampler,
+            "rejection_sample_logits, SparseProbs q": exact_sparse_logits_sampler}
 
 
 def shared_uniform_sampler(draft_tokens, num_draft_tokens, draft_probs, target_probs, generator) -> VerifierOutput:
@@ -307,6 +328,18 @@ def swapped_sampler(draft_tokens, num_draft_tokens, draft_probs, target_probs, g
     return out
 
 
+def dropped_repeat_sampler(draft_tokens, num_draft_tokens, draft_probs, target_probs, generator) -> VerifierOutput:
+    """BROKEN: a sparse q whose repeated columns keep only their first entry (half their mass), as a conversion that
+    overwrites instead of adding would; unvalidated, since the rows no longer sum to 1."""
+    q = None
+    if draft_probs is not None:
+        q = as_sparse(draft_probs)
+        q.values[..., draft_probs.shape[-1] :] = 0.0
+    out = rejection_sample_logits(draft_tokens, num_draft_tokens, q, target_probs.log(), 1.0, generator, validate=False)
+    out.lossless, out.mode = False, "dropped_repeated_column_bug"
+    return out
+
+
 def _lossy_sampler(mode) -> Sampler:
     def sampler(draft_tokens, num_draft_tokens, draft_probs, target_probs, generator) -> VerifierOutput:
         return mode.verify(draft_tokens, num_draft_tokens, draft_probs, target_probs, generator)
@@ -320,6 +353,7 @@ def negative_controls() -> dict[str, Sampler]:
         "shared_uniform_accept_and_residual": shared_uniform_sampler,
         "unnormalised_residual": unnormalised_residual_sampler,
         "p_q_swapped": swapped_sampler,
+        "sparse_q_repeated_column_dropped": dropped_repeat_sampler,
         "typical_acceptance_lossy": _lossy_sampler(TypicalAcceptanceLossy()),
         "synthetic_acceptance_lossy": _lossy_sampler(SyntheticAcceptanceLossy(rates=(0.7,))),
         "entropy_gated_lossy": _lossy_sampler(EntropyGatedLossy(entropy_threshold=0.5, top_k=3)),

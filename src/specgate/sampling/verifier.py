@@ -70,6 +70,33 @@ class VerifierOutput:
         return self.num_accepted + 1
 
 
+@dataclass(frozen=True)
+class SparseProbs:
+    """q on a few target columns: q[b, i, support[j]] += values[b, i, j], zero elsewhere (a repeated column adds up).
+
+    values `# [B, G, K]` float32, support `# [K]` int64 target ids. A drafter whose outputs cover K of the target's V
+    tokens (the EAGLE head: 12,288 of Gemma's 262,144) hands its q over in this form; building, stacking and reading
+    [G, V] dense rows cost about a millisecond a step on CPU. The verifier's C path reads it as it is; every other
+    path calls `to_dense`.
+    """
+
+    values: Tensor
+    support: Tensor
+
+    def to_dense(self, vocab_size: int) -> Tensor:
+        """q as a dense `# [..., V]` float32 tensor."""
+        dense = torch.zeros(*self.values.shape[:-1], vocab_size, dtype=self.values.dtype)
+        return dense.index_add_(-1, self.support, self.values)
+
+
+DraftProbs = Tensor | SparseProbs | None
+
+
+def dense_draft_probs(draft_probs: DraftProbs, vocab_size: int) -> Tensor | None:
+    """draft_probs as a dense `# [B, G, V]` tensor (or None)."""
+    return draft_probs.to_dense(vocab_size) if isinstance(draft_probs, SparseProbs) else draft_probs
+
+
 # ---------------------------------------------------------------------------------------------------------
 # validation
 
@@ -138,8 +165,22 @@ def validate_probs(name: str, probs: Tensor, used_rows: Tensor) -> None:
         )
 
 
+def validate_sparse_probs(draft_probs: SparseProbs, batch: int, gamma: int, vocab_size: int, valid: Tensor) -> None:
+    """Check a SparseProbs q against [B, G] = [batch, gamma] and the vocabulary (valid `# [B, G]`: the used rows)."""
+    values, support = draft_probs.values, draft_probs.support
+    if not isinstance(values, Tensor) or values.dim() != 3 or tuple(values.shape[:2]) != (batch, gamma):
+        raise ValueError(f"draft_probs.values has shape {_shape(values)}; expected [B, G, K] = [{batch}, {gamma}, K]")
+    if not isinstance(support, Tensor) or support.dim() != 1 or support.shape[0] != values.shape[2] or support.dtype.is_floating_point:
+        raise ValueError(f"draft_probs.support has shape {_shape(support)}; expected int64 [K] = [{values.shape[2]}], "
+                         "the target id of each column of values")
+    if support.numel() and (support.min() < 0 or support.max() >= vocab_size):
+        bad = support[(support < 0) | (support >= vocab_size)][0].item()
+        raise ValueError(f"draft_probs.support contains token id {bad}; ids must be in [0, V) = [0, {vocab_size})")
+    validate_probs("draft_probs.values", values, valid)
+
+
 def validate_verifier_inputs(
-    draft_tokens: Tensor, num_draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor
+    draft_tokens: Tensor, num_draft_tokens: Tensor, draft_probs: DraftProbs, target_probs: Tensor
 ) -> None:
     """All checks of `rejection_sample`; raises ValueError naming the argument, the value and the fix."""
     if not isinstance(target_probs, Tensor) or target_probs.dim() != 3:
@@ -152,7 +193,9 @@ def validate_verifier_inputs(
             f"target_probs has shape {_shape(target_probs)} but draft_tokens has shape {_shape(draft_tokens)}; "
             f"target_probs must be [B, G+1, V] = [{draft_tokens.shape[0]}, {gamma + 1}, V]"
         )
-    if draft_probs is not None:
+    if isinstance(draft_probs, SparseProbs):
+        validate_sparse_probs(draft_probs, batch, gamma, vocab_size, valid)
+    elif draft_probs is not None:
         if not isinstance(draft_probs, Tensor) or tuple(draft_probs.shape) != (batch, gamma, vocab_size):
             raise ValueError(
                 f"draft_probs has shape {_shape(draft_probs)} but target_probs has shape "
@@ -412,7 +455,7 @@ def rejection_sample_from_uniforms(
 def rejection_sample(
     draft_tokens: Tensor,
     num_draft_tokens: Tensor,
-    draft_probs: Tensor | None,
+    draft_probs: DraftProbs,
     target_probs: Tensor,
     generators: Generators = None,
     *,
@@ -421,15 +464,16 @@ def rejection_sample(
     """Exact speculative sampling of a ragged batch (see the module docstring for semantics and draws).
 
     draft_tokens `# [B, G]` int64 (entries past num_draft_tokens[b] are ignored, -1 allowed),
-    num_draft_tokens `# [B]` int64 in 0..G, draft_probs `# [B, G, V]` or None (q one-hot at the draft),
-    target_probs `# [B, G+1, V]`, generators: B torch.Generator (per-request seeds), one, or None.
+    num_draft_tokens `# [B]` int64 in 0..G, draft_probs `# [B, G, V]`, a SparseProbs, or None (q one-hot at the
+    draft), target_probs `# [B, G+1, V]`, generators: B torch.Generator (per-request seeds), one, or None.
     validate=False skips the input checks (two reductions over the used probability rows).
     """
     if validate:
         validate_verifier_inputs(draft_tokens, num_draft_tokens, draft_probs, target_probs)
     accept_u, sample_u = draw_uniforms(num_draft_tokens, draft_tokens.shape[1], generators)
     return rejection_sample_from_uniforms(
-        draft_tokens, num_draft_tokens, draft_probs, target_probs, accept_u, sample_u
+        draft_tokens, num_draft_tokens, dense_draft_probs(draft_probs, target_probs.shape[-1]), target_probs,
+        accept_u, sample_u,
     )
 
 
@@ -448,43 +492,70 @@ def _sum_exp(logits_flat: Tensor, rows: Tensor, row_max: Tensor, temperature: fl
 def rejection_sample_logits(
     draft_tokens: Tensor,
     num_draft_tokens: Tensor,
-    draft_probs: Tensor | None,
+    draft_probs: DraftProbs,
     target_logits: Tensor,
     temperature: float = 1.0,
     generators: Generators = None,
     *,
     validate: bool = True,
+    row_max: Tensor | None = None,
 ) -> VerifierOutput:
     """Exact sampling straight from target logits `# [B, G+1, V]` at a temperature (no top-k / top-p).
 
     The same semantics and random draws as `rejection_sample(..., logits_to_probs(target_logits,
-    SamplingParams(temperature)))`, without materialising the [B, G+1, V] probabilities: a loop over the
-    G+1 positions computes the softmax normaliser only for rows still verifying (a row stops at its first
-    rejection), then the probabilities of each row's stop position only. draft_probs must be processed with
-    the same temperature. Results equal the probability path except when a uniform falls within float
-    rounding of a threshold.
+    SamplingParams(temperature)))`, without materialising the [B, G+1, V] probabilities: a row computes the
+    softmax normaliser only at the positions it verifies (it stops at its first rejection), then samples its
+    stop position's residual or bonus row. draft_probs (dense, SparseProbs or None) must be processed with the
+    same temperature. row_max `# [B, G+1]`: the logits' maxima where the caller has them (decode_step's
+    finiteness pass), else computed here. On CPU float32 logits with the C kernels built this runs in C
+    (models.native.verify_rows, one pass over V per verified position); elsewhere in torch. Results equal the
+    probability path except when a uniform falls within float rounding of a threshold.
     """
     if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature > 0):
         raise ValueError(f"temperature={temperature!r} is out of range: use a value > 0 (greedy: greedy_verify)")
+    from specgate.models import native  # lazy: the sampler does not otherwise need the model runtime
+
     batch, positions, vocab_size = target_logits.shape if target_logits.dim() == 3 else (0, 0, 0)
     if validate:
         _validate_logits_inputs(draft_tokens, num_draft_tokens, draft_probs, target_logits)
     gamma = positions - 1
     logits = target_logits.float().contiguous()
-    logits_flat = logits.reshape(batch * positions, vocab_size)  # [B*(G+1), V]
-    row_max = logits.amax(-1)  # [B, G+1]
+    if row_max is None:
+        row_max = native.amax(logits)  # [B, G+1]
     if validate:
         _check_finite_where_used(row_max, num_draft_tokens, "used (NaN, +inf or all -inf rows have no distribution)")
     accept_u, sample_u = draw_uniforms(num_draft_tokens, gamma, generators)
     valid = torch.arange(gamma, device=draft_tokens.device)[None, :] < num_draft_tokens[:, None]  # [B, G]
     safe_tokens = torch.where(valid, draft_tokens, 0).long()  # [B, G]
+    if native.verify_applies(logits) and batch:
+        sparse = isinstance(draft_probs, SparseProbs)
+        num_accepted, final = native.verify_rows(
+            logits, row_max, temperature, safe_tokens, num_draft_tokens, draft_probs.values if sparse else draft_probs,
+            draft_probs.support if sparse else None, accept_u, sample_u,
+        )
+        return assemble_output(draft_tokens, num_accepted, final, lossless=True, mode="exact")
+    final, num_accepted = _sample_logits_torch(
+        logits, row_max, safe_tokens, num_draft_tokens, dense_draft_probs(draft_probs, vocab_size), accept_u, sample_u,
+        temperature,
+    )
+    return assemble_output(draft_tokens, num_accepted, final, lossless=True, mode="exact")
+
+
+def _sample_logits_torch(
+    logits: Tensor, row_max: Tensor, safe_tokens: Tensor, num_draft_tokens: Tensor, draft_probs: Tensor | None,
+    accept_u: Tensor, sample_u: Tensor, temperature: float,
+) -> tuple[Tensor, Tensor]:
+    """rejection_sample_logits in torch: (final token `# [B]`, num_accepted `# [B]`) from logits `# [B, G+1, V]`."""
+    batch, positions, vocab_size = logits.shape
+    gamma = positions - 1
+    logits_flat = logits.reshape(batch * positions, vocab_size)  # [B*(G+1), V]
     num_accepted, log_norm = _accept_from_logits(
         logits_flat, row_max, safe_tokens, num_draft_tokens, draft_probs, accept_u, temperature
     )
     rows = torch.arange(batch)
     stop_rows = rows * positions + num_accepted
     p_stop = logits_flat.index_select(0, stop_rows)  # [B, V] the only full probability rows needed
-    p_stop.sub_(row_max.view(-1)[stop_rows, None])
+    p_stop.sub_(row_max.reshape(-1)[stop_rows, None])
     if temperature != 1.0:
         p_stop.div_(temperature)
     p_stop.exp_()
@@ -495,10 +566,10 @@ def rejection_sample_logits(
     final = sample_from_rows(
         p_stop, rows, q_flat, rows * gamma + q_positions, removed, num_accepted < num_draft_tokens, sample_u
     )
-    return assemble_output(draft_tokens, num_accepted, final, lossless=True, mode="exact")
+    return final, num_accepted
 
 
-def _validate_logits_inputs(draft_tokens: Tensor, num_draft_tokens: Tensor, draft_probs: Tensor | None, target_logits: Tensor) -> None:
+def _validate_logits_inputs(draft_tokens: Tensor, num_draft_tokens: Tensor, draft_probs: DraftProbs, target_logits: Tensor) -> None:
     """rejection_sample_logits' shape and value checks: target_logits [B, G+1, V], draft_probs [B, G, V] or None."""
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits has shape {_shape(target_logits)}; expected [B, G+1, V]")
@@ -510,8 +581,10 @@ def _validate_logits_inputs(draft_tokens: Tensor, num_draft_tokens: Tensor, draf
             f"{_shape(draft_tokens)}; target_logits must be [B, G+1, V] = [{draft_tokens.shape[0]}, "
             f"{draft_tokens.shape[1] + 1}, V]"
         )
-    if draft_probs is not None:
-        if tuple(draft_probs.shape) != (batch, positions - 1, vocab_size):
+    if isinstance(draft_probs, SparseProbs):
+        validate_sparse_probs(draft_probs, batch, positions - 1, vocab_size, valid)
+    elif draft_probs is not None:
+        if not isinstance(draft_probs, Tensor) or tuple(draft_probs.shape) != (batch, positions - 1, vocab_size):
             raise ValueError(
                 f"draft_probs has shape {_shape(draft_probs)} but target_logits has shape "
                 f"{_shape(target_logits)}; draft_probs must be [B, G, V] (or None for token-only proposers)"
@@ -615,13 +688,14 @@ def greedy_verify(
 def verify(
     draft_tokens: Tensor,
     num_draft_tokens: Tensor,
-    draft_probs: Tensor | None,
+    draft_probs: DraftProbs,
     target_logits: Tensor,
     params: SamplingParams,
     generators: Generators = None,
     lossy: object | None = None,
     *,
     validate: bool = True,
+    row_max: Tensor | None = None,
 ) -> VerifierOutput:
     """The engine's entry point: process target logits `# [B, G+1, V]` with params, then verify.
 
@@ -629,8 +703,13 @@ def verify(
     `greedy_verify` (draft_probs ignored); temperature-only params use `rejection_sample_logits` (no
     [B, G+1, V] probabilities materialised); top-k / top-p use logits_to_probs then `rejection_sample`.
     `lossy`, an object from specgate.sampling.lossy, replaces the exact test with a labelled lossy one
-    (output.lossless is False).
+    (output.lossless is False). draft_probs: dense `# [B, G, V]`, a SparseProbs (read as it is on the
+    temperature-only path, made dense for the others) or None. row_max `# [B, G+1]`: the logits' maxima where the
+    caller has them (the temperature-only path's normaliser), or None.
     """
+    temperature_only = (params.top_k == 0 or params.top_k >= target_logits.shape[-1]) and params.top_p == 1.0
+    if lossy is not None or not (params.greedy or temperature_only):  # greedy ignores q; the C path reads it sparse
+        draft_probs = dense_draft_probs(draft_probs, target_logits.shape[-1])
     if lossy is not None:
         if not callable(getattr(lossy, "verify", None)):
             raise ValueError(
@@ -640,10 +719,10 @@ def verify(
         return lossy.verify(draft_tokens, num_draft_tokens, draft_probs, target_probs, generators, validate=validate)
     if params.greedy:
         return greedy_verify(draft_tokens, num_draft_tokens, target_logits, validate=validate)
-    if (params.top_k == 0 or params.top_k >= target_logits.shape[-1]) and params.top_p == 1.0:
+    if temperature_only:
         return rejection_sample_logits(
             draft_tokens, num_draft_tokens, draft_probs, target_logits, params.temperature, generators,
-            validate=validate,
+            validate=validate, row_max=row_max,
         )
     target_probs = logits_to_probs(target_logits, params)
     return rejection_sample(draft_tokens, num_draft_tokens, draft_probs, target_probs, generators, validate=validate)
