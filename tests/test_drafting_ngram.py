@@ -65,3 +65,17 @@ def test_bad_sizes_are_refused():
         NgramDrafter(min_n=3, max_n=2)
     with pytest.raises(ValueError, match="min_n=0"):
         NgramDrafter(min_n=0, max_n=2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=40), st.integers(1, 3), st.integers(1, 3))
+def test_a_stricter_floor_for_one_call_matches_a_drafter_built_with_it(tokens, min_n, floor):
+    """propose(..., min_n=floor) (the EAGLE drafter's floor for sampled requests) drafts what a drafter with
+    min_n = max(min_n, floor) drafts, and the brute-force scan agrees."""
+    context = torch.tensor(tokens)
+    drafter = NgramDrafter(min_n=min_n, max_n=3)
+    drafter.begin(context, None, None, 64)
+    strict = max(min_n, floor)
+    expected = brute_force(tokens, 4, strict, 3)
+    assert drafter.propose(context, 4, min_n=floor).tokens.tolist() == expected
+    assert drafter.propose(context, 4).tokens.tolist() == brute_force(tokens, 4, min_n, 3)

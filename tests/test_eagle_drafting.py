@@ -239,34 +239,41 @@ def test_a_chain_stops_where_the_product_of_top1_probabilities_falls_below_stop_
         EagleDrafter(head, target, stop_below=1.0).begin(ids, GREEDY, None, 20)
 
 
-def test_a_recurring_bigram_drafts_its_continuation_with_one_hot_q_and_no_head_step(target):
-    """Prompt lookup first (eagle_drafter.LOOKUP_MIN_N): [.. a b c d a b] drafts "c d a b" even when sampling (q
-    one-hot: draft_probs None), without a head step; a context whose last bigram is new drafts the head's chain;
-    lookup_min_n 0 is the head alone. sample_batch drafts what propose drafts and pads a short lookup with -1."""
+def test_a_recurring_ngram_drafts_its_continuation_with_one_hot_q_and_no_head_step(target):
+    """Prompt lookup first (eagle_drafter.LOOKUP_MIN_N, LOOKUP_MIN_N_SAMPLED when sampling): greedy, [.. a b c d a b]
+    drafts "c d a b" (q one-hot: draft_probs None) without a head step; sampling, a recurring bigram alone drafts the
+    head's chain and a recurring trigram its continuation; a context whose last bigram is new drafts the head's
+    chain; lookup_min_n 0 is the head alone. sample_batch drafts what propose drafts and pads a short lookup with -1."""
     head = random_head(target.model, seed=4)
     params = SamplingParams(temperature=1.0)
-    ids = torch.tensor([1, 11, 12, 13, 14, 11, 12])
-    feats = prompt_features(target.model, ids)
+    bigram = torch.tensor([1, 11, 12, 13, 14, 11, 12])  # (11, 12) recurs, (14, 11, 12) does not
+    trigram = torch.tensor([1, 10, 11, 12, 13, 14, 10, 11, 12])  # (10, 11, 12) recurs
 
-    def propose(context, lookup_min_n):
+    def propose(context, lookup_min_n, sampling=params):
         drafter = EagleDrafter(head, target, stop_below=0.0, lookup_min_n=lookup_min_n)
-        drafter.begin(context, params, torch.Generator().manual_seed(0), 16)
-        drafter.observe_features(0, feats[: context.numel() - 1])
+        drafter.begin(context, sampling, torch.Generator().manual_seed(0), 16)
+        drafter.observe_features(0, prompt_features(target.model, context)[: context.numel() - 1])
         return drafter.propose(context, 4)
 
-    looked_up = propose(ids, 2)
+    looked_up = propose(bigram, 2, GREEDY)
     assert looked_up.tokens.tolist() == [13, 14, 11, 12] and looked_up.draft_probs is None and looked_up.forward_passes == 0
-    alone = propose(ids, 0)
+    sampled = propose(bigram, 2)  # a bigram is not enough when sampling: the head drafts
+    assert sampled.forward_passes == 4 and sampled.draft_probs is not None
+    looked_up = propose(trigram, 2)
+    assert looked_up.tokens.tolist() == [13, 14, 10, 11] and looked_up.draft_probs is None and looked_up.forward_passes == 0
+    alone = propose(trigram, 0)
     assert alone.forward_passes == 4 and alone.draft_probs.values.shape == (4, head.d2t.numel())  # q on d2t's columns
     assert alone.draft_probs.support is head.d2t and alone.draft_probs.to_dense(512).shape == (4, 512)
-    fresh = propose(ids[:5], 2)  # last bigram (13, 14) never seen before
+    fresh = propose(bigram[:5], 2)  # last bigram (13, 14) never seen before
     assert fresh.forward_passes == 4 and fresh.draft_probs is not None
-    tokens, q = EagleDrafter(head, target).sample_batch(torch.stack([ids, ids]), 6, params, torch.Generator().manual_seed(0))
-    assert tokens.tolist() == [[13, 14, 11, 12, -1, -1]] * 2
-    assert q.shape == (2, 6, 512) and float(q[:, :4].sum()) == 8.0 and float(q[:, 4:].abs().sum()) == 0.0
-    assert float(q[0, torch.arange(4), tokens[0, :4]].sum()) == 4.0
+    tokens, q = EagleDrafter(head, target).sample_batch(torch.stack([trigram, trigram]), 6, params, torch.Generator().manual_seed(0))
+    assert tokens.tolist() == [[13, 14, 10, 11, 12, -1]] * 2
+    assert q.shape == (2, 6, 512) and float(q[:, :5].sum()) == 10.0 and float(q[:, 5:].abs().sum()) == 0.0
+    assert float(q[0, torch.arange(5), tokens[0, :5]].sum()) == 5.0
+    tokens, q = EagleDrafter(head, target).sample_batch(torch.stack([bigram, bigram]), 3, params, torch.Generator().manual_seed(0))
+    assert (tokens >= 0).all() and torch.allclose(q.sum(-1), torch.ones(2, 3))  # sampled, a bigram: the head's chains
     with pytest.raises(ValueError, match="lookup_min_n=4"):
-        EagleDrafter(head, target, lookup_min_n=4).begin(ids, params, None, 16)
+        EagleDrafter(head, target, lookup_min_n=4).begin(bigram, params, None, 16)
 
 
 def test_rejected_drafts_need_no_undo(target):
@@ -433,14 +440,15 @@ def test_scheduler_sampled_batch_with_the_head_matches_generate_with_the_same_se
 
 def test_eagle_sampling_is_lossless_on_a_tiny_gemma(target, echo_dir):
     """The lossless harness (chi-square at fixed prefixes, Bonferroni, at significance 0.01) on the default drafter,
-    at prefixes where it drafts a lookup ([<s> a b c a b]: "c a b") and where the head drafts with its q (no
-    recurring bigram); its three negative controls (a wrong q, two lossy verifiers) must be caught."""
+    at prefixes where it drafts a lookup ([<s> a b d c a b d]: "c a b"; sampling matches from 3 tokens) and where
+    the head drafts with its q (no recurring n-gram); its three negative controls (a wrong q, two lossy verifiers)
+    must be caught."""
     params = dict(temperature=1.0, top_k=20)
-    lookups = uncertain_prefixes(target, SamplingParams(**params))
+    lookups = uncertain_prefixes(target, SamplingParams(**params), match=3)
     heads = [[1] + torch.randperm(500, generator=torch.Generator().manual_seed(seed))[:5].add(4).tolist() for seed in (0, 1)]
     drafter = make_drafter(f"eagle:{echo_dir}", target)
-    assert all(drafter._lookup(torch.tensor(p), 3, None) for p in lookups)
-    assert not any(drafter._lookup(torch.tensor(p), 3, None) for p in heads)
+    assert all(drafter._lookup(torch.tensor(p), 3, SamplingParams(**params)) for p in lookups)
+    assert not any(drafter._lookup(torch.tensor(p), 3, SamplingParams(**params)) for p in heads)
     report = run_model_check(target, f"eagle:{echo_dir}", gamma=3, num_samples=10_000, seed=0, significance=0.01,
                              prefixes=lookups + heads, **params)
     failed = [c for c in report["cases"] if c["verdict"] != "pass"]

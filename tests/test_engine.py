@@ -166,8 +166,9 @@ def test_bad_inputs_name_the_parameter(target, kwargs, message):
         generate(args.pop("prompt"), target, NgramDrafter(), args.pop("gamma"), GREEDY, **args)
 
 
-def uncertain_prefixes(target, params, count: int = 2) -> list[list[int]]:
-    """Prefixes [<s> a b c a b]: the n-gram drafter proposes c, which the target gives 0.1..0.7 of its mass.
+def uncertain_prefixes(target, params, count: int = 2, match: int = 2) -> list[list[int]]:
+    """Prefixes [<s> a b c a b] (match 2; 3: [<s> a b d c a b d]): a lookup proposes c, which the target gives
+    0.1..0.7 of its mass.
 
     A lossy verifier can only show its bias where the target is unsure about a plausible draft; a prefix
     the target is certain about would let even a wrong sampler pass.
@@ -177,8 +178,8 @@ def uncertain_prefixes(target, params, count: int = 2) -> list[list[int]]:
     generator, found = torch.Generator().manual_seed(0), []
     vocab = int(target.model.vocab_size)
     while len(found) < count:
-        a, b, c = (torch.randint(4, vocab, (3,), generator=generator)).tolist()
-        prefix = [1, a, b, c, a, b]
+        *m, c = (torch.randint(4, vocab, (match + 1,), generator=generator)).tolist()
+        prefix = [1, *m, c, *m]
         with torch.inference_mode():
             cache = target.model.new_cache(1, len(prefix))
             logits = target.model.forward(torch.tensor([prefix]), torch.arange(len(prefix))[None], cache, torch.zeros(1, dtype=torch.int64), last_only=True)

@@ -19,8 +19,9 @@ stays exact. Greedy: argmax, q one-hot (None).
 Prompt lookup first: where the context's last n >= lookup_min_n tokens (n up to 3) occurred before, a request's
 proposal is what followed them (specgate.drafting.ngram; q one-hot, no head step), and the head drafts only where
 the context has no such match. Small models' greedy text repeats itself and grounded answers copy their prompt;
-there a lookup's chain is long and free, where the head's is one token deep. Exact whatever the rule: the choice
-depends on the context only, and each draft's q is the distribution it was drawn from (one-hot for a lookup).
+there a lookup's chain is long and free, where the head's is one token deep. A sampled request matches from 3
+tokens (LOOKUP_MIN_N_SAMPLED). Exact whatever the rule: the choice depends on the context and the request's
+params only, and each draft's q is the distribution it was drawn from (one-hot for a lookup).
 lookup_min_n 0 turns lookup off (the head alone).
 """
 
@@ -47,6 +48,9 @@ STOP_BELOW = 0.3
 # Prompt lookup drafts where the context's last LOOKUP_MIN_N..LOOKUP_MAX_N tokens occurred before (module docstring).
 # 2, not 1: a single repeated token predicts its successor too poorly at temperature 1, where the head did better.
 LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 3
+# When sampling, a lookup's one-hot draft passes with probability p(x) only, and a 2-token match is often a common
+# phrase continued from the wrong place: sampled requests match from 3 tokens (greedy from LOOKUP_MIN_N).
+LOOKUP_MIN_N_SAMPLED = 3
 
 # sample(logits `# [B', V_d]`, request indices [B']) -> (tokens `# [B']` target ids, q: B' rows `# [V_t]` (None for a
 # greedy row), or None when every row is greedy)
@@ -56,6 +60,11 @@ Sampler = Callable[[Tensor, list[int]], tuple[Tensor, Tensor | None]]
 def lookup_index(min_n: int) -> NgramDrafter | None:
     """A request's prompt-lookup index matching min_n..LOOKUP_MAX_N tokens, or None for min_n 0 (the head alone)."""
     return NgramDrafter(min_n, LOOKUP_MAX_N) if min_n else None
+
+
+def lookup_floor(params: Any) -> int | None:
+    """The shortest match a request's lookup takes beyond the drafter's own: LOOKUP_MIN_N_SAMPLED when it samples."""
+    return None if params.greedy else LOOKUP_MIN_N_SAMPLED
 
 
 def check_runtime_features(head: EagleHead) -> None:
@@ -142,8 +151,8 @@ class EagleProposer:
                 return None
             return torch.stack(qs) if d2t is None else SparseProbs(torch.stack(qs), d2t)  # [G', V_d'] on d2t's columns
 
-        lookups = [state.lookup.propose(context, gamma).tokens if state.lookup is not None and gamma > 0 else None
-                   for state, context, gamma in zip(states, contexts, gammas)]
+        lookups = [state.lookup.propose(context, gamma, lookup_floor(param)).tokens if state.lookup is not None and gamma > 0 else None
+                   for state, context, gamma, param in zip(states, contexts, gammas, params)]
         looked_up = [found is not None and found.numel() > 0 for found in lookups]
         tokens, probs = self.draft(slots, states, contexts, [0 if hit else gamma for hit, gamma in zip(looked_up, gammas)], sample)
         return [DraftProposal(tokens=found, draft_probs=None) if hit
@@ -286,7 +295,7 @@ class EagleDrafter(Drafter):
         if lookup is None:
             return None
         lookup.begin(context, params, None, context.numel() + gamma)
-        drafts = lookup.propose(context, gamma).tokens.tolist()
+        drafts = lookup.propose(context, gamma, lookup_floor(params)).tokens.tolist()
         return drafts or None
 
 

@@ -53,13 +53,15 @@ class NgramDrafter(Drafter):
                 if end >= n:
                     table[tuple(tokens[end - n : end])] = end
 
-    def propose(self, context_ids: Tensor, gamma: int) -> DraftProposal:
+    def propose(self, context_ids: Tensor, gamma: int, min_n: int | None = None) -> DraftProposal:
+        """The continuation of the longest match of max_n..min_n tokens (min_n: a stricter floor for this call, at
+        least the drafter's own; None: the drafter's)."""
         self._extend(context_ids)
         tokens = self._tokens
         length = len(tokens)
         drafts: list[int] = []
         if gamma > 0:
-            for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            for n in range(min(self.max_n, length), max(self.min_n, min_n or 0) - 1, -1):
                 end = self._index[n].get(tuple(tokens[length - n :]))
                 if end is not None:
                     drafts = tokens[end : end + gamma]
