@@ -29,7 +29,7 @@ def test_exact_sampler_passes_every_test(suite):
     assert suite["verdict"] == "pass"
     assert suite["num_samples"] >= 100_000
     assert suite["per_test_alpha"] == pytest.approx(0.01 / suite["num_tests"])
-    assert {c["sampler"] for c in suite["cases"]} == {"rejection_sample", "rejection_sample_logits", "rejection_sample_logits, SparseProbs q"}
+    assert {c["sampler"] for c in suite["cases"]} == {"rejection_sample", "rejection_sample_logits", "rejection_sample_logits, torch", "rejection_sample_logits, SparseProbs q"}
     assert len(suite["cases"]) == suite["num_tests"]
 
 

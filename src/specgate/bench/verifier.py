@@ -3,7 +3,7 @@
 Verifier lanes (median wall ms per call, after warm-up): rejection_sample with and without input validation,
 token-only (draft_probs None, as for the n-gram drafter), greedy_verify on logits, and verify() from logits (the
 softmax normalisers + sampling: what the engine calls per step) three ways: the C kernel (models.native.verify_rows,
-taken wherever it is built), the torch path it replaced (the kernel switched off for the lane), and the C kernel
+taken wherever it is built), the torch path it replaced (rejection_sample_logits(kernel=False)), and the C kernel
 with q on 12,288 columns as a SparseProbs (the EAGLE head's form). Inputs are realistic: peaked target logits (8
 dominant tokens over a Gaussian tail), draft logits = target logits + noise, drafts sampled from q. The baseline: one
 target forward step for the same batch (B rows x G+1 tokens after a 64-token prefill) in the same process.
@@ -18,8 +18,15 @@ from typing import Any
 import torch
 
 from specgate.bench.timing import median_call_s
-from specgate.models import native
-from specgate.sampling import SamplingParams, SparseProbs, greedy_verify, logits_to_probs, rejection_sample, verify
+from specgate.sampling import (
+    SamplingParams,
+    SparseProbs,
+    greedy_verify,
+    logits_to_probs,
+    rejection_sample,
+    rejection_sample_logits,
+    verify,
+)
 
 BATCH, GAMMA, VOCAB = 16, 4, 262_144
 SPARSE_COLUMNS = 12_288  # the EAGLE head's d2t map on Gemma-3
@@ -54,19 +61,6 @@ def realistic_inputs(seed: int = 0, batch: int = BATCH, gamma: int = GAMMA, voca
                           torch.full((batch,), gamma, dtype=torch.int64), SparseProbs(values, support), support[picked])
 
 
-def without_kernel(fn: Any) -> Any:
-    """fn run with the C verifier switched off (rejection_sample_logits takes its torch path)."""
-    def run() -> Any:
-        saved = native.verify_applies
-        native.verify_applies = lambda logits: False
-        try:
-            return fn()
-        finally:
-            native.verify_applies = saved
-
-    return run
-
-
 def verifier_lanes(repeats: int, inputs: VerifierInputs | None = None) -> tuple[dict[str, float], float]:
     """(lane -> median ms per call, mean accepted drafts per row of the batch)."""
     x = inputs or realistic_inputs()
@@ -79,8 +73,8 @@ def verifier_lanes(repeats: int, inputs: VerifierInputs | None = None) -> tuple[
         "rejection_sample token-only (q None)": lambda: rejection_sample(x.draft_tokens, x.num_draft_tokens, None, x.target_probs, gens),
         "greedy_verify (logits)": lambda: greedy_verify(x.draft_tokens, x.num_draft_tokens, x.target_logits),
         "verify() incl. softmax of logits": lambda: verify(x.draft_tokens, x.num_draft_tokens, x.draft_probs, x.target_logits, params, gens),
-        "verify(), torch path (C kernel off)": without_kernel(
-            lambda: verify(x.draft_tokens, x.num_draft_tokens, x.draft_probs, x.target_logits, params, gens)),
+        "verify(), torch path (C kernel off)": lambda: rejection_sample_logits(
+            x.draft_tokens, x.num_draft_tokens, x.draft_probs, x.target_logits, 1.0, gens, kernel=False),
         "verify(), q a SparseProbs on 12,288 columns": lambda: verify(
             x.sparse_tokens, x.num_draft_tokens, x.sparse_probs, x.target_logits, params, gens),
     }

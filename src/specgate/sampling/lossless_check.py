@@ -12,9 +12,10 @@ autoregressively. The experiment makes that claim checkable:
   * for every position t = 0..G the emitted token's counts are tested against p_t, and the joint counts of
     the first two tokens against p_0 x p_1, with Pearson's chi-square (cells with expected count < 5 pooled;
     a token with p = 0 that is ever emitted fails the test outright, p-value 0).
-Three exact samplers are tested: `rejection_sample` (probabilities), `rejection_sample_logits` (the path
-verify() takes for temperature-only params: the C kernel where it is built), and the same with q handed over as
-a SparseProbs (what the EAGLE head drafts with: shuffled columns, some listed twice with their mass split). Family-wise significance `significance` (default 0.01) with
+Four exact samplers are tested: `rejection_sample` (probabilities), `rejection_sample_logits` (the path
+verify() takes for temperature-only params: the C kernel where it is built), its torch fallback (kernel=False),
+and the logits path with q handed over as a SparseProbs (what the EAGLE head drafts with: shuffled columns, some
+listed twice with their mass split). Family-wise significance `significance` (default 0.01) with
 Bonferroni: each test is rejected when its p-value is below significance / (number of tests on the exact
 samplers). The same tests, at the same
 per-test level, are run on each negative control; a control reads "fail" (caught) when any of its tests
@@ -271,9 +272,16 @@ def exact_sparse_logits_sampler(draft_tokens, num_draft_tokens, draft_probs, tar
     return rejection_sample_logits(draft_tokens, num_draft_tokens, q, target_probs.log(), 1.0, generator)
 
 
+def exact_torch_logits_sampler(draft_tokens, num_draft_tokens, draft_probs, target_probs, generator) -> VerifierOutput:
+    """The logits path in torch (kernel=False: what runs where the C kernels do not build)."""
+    return rejection_sample_logits(draft_tokens, num_draft_tokens, draft_probs, target_probs.log(), 1.0, generator, kernel=False)
+
+
 def exact_samplers() -> dict[str, Sampler]:
-    """The exact samplers under test: the probability path, the logits path, the logits path with a sparse q."""
+    """The exact samplers under test: the probability path, the logits path (C where built, and torch), the logits
+    path with a sparse q."""
     return {"rejection_sample": exact_sampler, "rejection_sample_logits": exact_logits_sampler,
+            "rejection_sample_logits, torch": exact_torch_logits_sampler,
             "rejection_sample_logits, SparseProbs q": exact_sparse_logits_sampler}
 
 

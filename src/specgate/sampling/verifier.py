@@ -499,6 +499,7 @@ def rejection_sample_logits(
     *,
     validate: bool = True,
     row_max: Tensor | None = None,
+    kernel: bool = True,
 ) -> VerifierOutput:
     """Exact sampling straight from target logits `# [B, G+1, V]` at a temperature (no top-k / top-p).
 
@@ -508,8 +509,9 @@ def rejection_sample_logits(
     stop position's residual or bonus row. draft_probs (dense, SparseProbs or None) must be processed with the
     same temperature. row_max `# [B, G+1]`: the logits' maxima where the caller has them (decode_step's
     finiteness pass), else computed here. On CPU float32 logits with the C kernels built this runs in C
-    (models.native.verify_rows, one pass over V per verified position); elsewhere in torch. Results equal the
-    probability path except when a uniform falls within float rounding of a threshold.
+    (models.native.verify_rows, one pass over V per verified position); elsewhere, or with kernel=False (the
+    fallback, for its tests and the benchmark), in torch. Results equal the probability path except when a uniform
+    falls within float rounding of a threshold.
     """
     if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature > 0):
         raise ValueError(f"temperature={temperature!r} is out of range: use a value > 0 (greedy: greedy_verify)")
@@ -527,7 +529,7 @@ def rejection_sample_logits(
     accept_u, sample_u = draw_uniforms(num_draft_tokens, gamma, generators)
     valid = torch.arange(gamma, device=draft_tokens.device)[None, :] < num_draft_tokens[:, None]  # [B, G]
     safe_tokens = torch.where(valid, draft_tokens, 0).long()  # [B, G]
-    if native.verify_applies(logits) and batch:
+    if kernel and batch and native.verify_applies(logits):
         sparse = isinstance(draft_probs, SparseProbs)
         num_accepted, final = native.verify_rows(
             logits, row_max, temperature, safe_tokens, num_draft_tokens, draft_probs.values if sparse else draft_probs,
