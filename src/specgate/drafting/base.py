@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specgate.sampling import SparseProbs
+
 
 @dataclass
 class DraftProposal:
@@ -44,7 +46,7 @@ class DraftProposal:
     tokens: Tensor  # [G'] int64, G' <= gamma (may be 0: nothing to propose)
     # q: [G', V_target] float32, or G' tensors [V_target] (a batched drafter's per-token rows), or a
     # specgate.sampling.SparseProbs with values [G', K] on K target columns, or None (one-hot on `tokens`)
-    draft_probs: Tensor | Sequence[Tensor] | Any | None
+    draft_probs: Tensor | Sequence[Tensor] | SparseProbs | None
     forward_passes: int = 0  # draft-model forward calls spent on this proposal (0 for lookup drafters)
 
     @property
