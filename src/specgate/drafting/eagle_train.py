@@ -82,10 +82,15 @@ def continue_text(model: Any, prompts: Tensor, new_tokens: int, on_step: Callabl
     return tokens
 
 
+def _shares(count: int, parts: int) -> list[int]:
+    """count split evenly over parts, the first ones taking the remainder."""
+    return [count // parts + (index < count % parts) for index in range(parts)]
+
+
 def _windows(sources: list[list], count: int, length: int, bos: int, rng: random.Random) -> Tensor:
-    """count windows split evenly over the token sources (the first ones take the remainder), in source order."""
-    shares = [count // len(sources) + (index < count % len(sources)) for index in range(len(sources))]
-    return torch.cat([distill.sample_windows(source, share, length, bos, rng) for source, share in zip(sources, shares) if share])
+    """count windows [count, length] split over the token sources (_shares), in source order; none for count 0."""
+    drawn = [distill.sample_windows(source, share, length, bos, rng) for source, share in zip(sources, _shares(count, len(sources))) if share]
+    return torch.cat(drawn) if drawn else torch.empty(0, length, dtype=torch.int64)
 
 
 def _corpus_tokens(tokenizer: Any, progress: Any) -> dict[tuple[str, str], list[list[int]]]:
@@ -125,12 +130,11 @@ def extract(build_dir: Path, windows: int, window_len: int, sampled_rows: int, h
             tokens = _corpus_tokens(tokenizer, progress)
             timings["corpus_s"] = time.perf_counter() - started
             started = time.perf_counter()
-            corpus = _windows([tokens["train", "code"], tokens["train", "prose"]], windows, window_len, bos, rng)
-            if docs_windows:
-                corpus = torch.cat([corpus, _windows([tokens["train", "docs"]], docs_windows, window_len, bos, rng)])
+            corpus = torch.cat([_windows([tokens["train", "code"], tokens["train", "prose"]], windows, window_len, bos, rng),
+                                _windows([tokens["train", "docs"]], docs_windows, window_len, bos, rng)])
             new_tokens = window_len - prompt_len
             train_sources = [tokens["train", "code"], tokens["train", "prose"], tokens["train", "docs"]]
-            prompts = _windows(train_sources, sampled_rows, prompt_len, bos, rng) if sampled_rows else torch.empty(0, prompt_len, dtype=torch.int64)
+            prompts = _windows(train_sources, sampled_rows, prompt_len, bos, rng)
             heldout_prompts = _windows([tokens["heldout", kind] for kind in HELDOUT_CATEGORIES], heldout_rows, prompt_len, bos, rng)
             task = progress.add_task("target text", total=(sampled_rows + heldout_rows) * new_tokens + free_rows * (window_len - 1), info="")
             advance = lambda n: progress.advance(task, n)  # noqa: E731
@@ -143,8 +147,7 @@ def extract(build_dir: Path, windows: int, window_len: int, sampled_rows: int, h
                     for i in range(0, free_rows, 16)]
             timings["greedy_text_s"] = time.perf_counter() - started
             plan = {"train": torch.cat([corpus, *greedy, *free]), "train_greedy_from": corpus.shape[0], "heldout": heldout,
-                    "heldout_rows": {kind: heldout_rows // len(HELDOUT_CATEGORIES) + (index < heldout_rows % len(HELDOUT_CATEGORIES))
-                                     for index, kind in enumerate(HELDOUT_CATEGORIES)}, "prompt_len": prompt_len, "seed": seed, "layers": STORED_LAYERS,
+                    "heldout_rows": dict(zip(HELDOUT_CATEGORIES, _shares(heldout_rows, len(HELDOUT_CATEGORIES)))), "prompt_len": prompt_len, "seed": seed, "layers": STORED_LAYERS,
                     "rows": {"corpus_code_prose": windows, "corpus_docs": docs_windows, "greedy": sampled_rows, "free_samples": free_rows,
                              "free_temperature": free_temperature}}
             torch.save(plan, plan_file)
