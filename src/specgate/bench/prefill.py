@@ -5,7 +5,9 @@ A prompt past the C paths' row limit (native.QUANT_MAX_ROWS) used to leave the C
 product dequantizes its whole weight to float32 and multiplies in float32; now it runs as chunks of at most that
 many tokens through the stack (CausalLM._chunked_forward). For each length: one prefill (the K/V only, as the
 engine and the scheduler prefill) each way, alternating repeat by repeat in one process; the median ms of each and
-chunked / upcast. A length within the limit runs the same way both times: the noise floor.
+chunked / upcast. A length within the limit runs the same way both times: the noise floor. The same for the
+stack's attention, AVX2 against AVX-512 (compare="attention"): a chunk's rows attend to keys already in cache,
+where the AVX-512 variant's fewer instructions show.
 """
 
 from __future__ import annotations
@@ -49,27 +51,54 @@ def prefill_ms(model: Any, length: int) -> float:
         return 1e3 * timed_s(lambda: model.forward(ids, torch.arange(length)[None], cache, torch.tensor([0]), logits=False))[1]
 
 
-def chunked_upcast_ms(model: Any, lengths: list[int], repeats: int,
-                      advance: Callable[[], None] = lambda: None) -> dict[int, dict[str, list[float]]]:
-    """length -> {"upcast": [ms per repeat], "chunked": [...]}, after one untimed prefill of each; the two ways in
-    alternating order (upcast first in even repeats)."""
+@contextlib.contextmanager
+def attention_variant(model: Any, wide: bool) -> Iterator[None]:
+    """Within: the model's C stack attends with its AVX-512 variant (wide) or the AVX2 one; as built after. Needs a
+    CPU where native.attention_wide() holds (ValueError otherwise) and the C stack (the embedded GGUF target)."""
+    from specgate.models import native
+
+    stack = model.native_stack()
+    if stack is None or not native.attention_wide():
+        raise ValueError("the attention comparison needs the C stack and AVX-512 (native.attention_wide(); "
+                         "SPECGATE_AVX512 / SPECGATE_ATTN_AVX512 unset)")
+    built = stack.config.wide
+    stack.config.wide = built | native.WIDE_ATTN if wide else built & ~native.WIDE_ATTN
+    try:
+        yield
+    finally:
+        stack.config.wide = built
+
+
+COMPARISONS = {  # --compare -> (lane A, lane B, the context that runs a lane: (model, lane == B))
+    "chunking": ("upcast", "chunked", chunking),
+    "attention": ("avx2", "avx512", attention_variant),
+}
+
+
+def lanes_ms(model: Any, lengths: list[int], repeats: int, compare: str = "chunking",
+             advance: Callable[[], None] = lambda: None) -> dict[int, dict[str, list[float]]]:
+    """length -> {lane A: [ms per repeat], lane B: [...]} for one of COMPARISONS, after one untimed prefill of each;
+    the two lanes in alternating order (A first in even repeats)."""
+    first, second, context = COMPARISONS[compare]
     for length in lengths:
         prefill_ms(model, length)
-    times: dict[int, dict[str, list[float]]] = {length: {"upcast": [], "chunked": []} for length in lengths}
+    times: dict[int, dict[str, list[float]]] = {length: {first: [], second: []} for length in lengths}
     for repeat in range(repeats):
         for length in lengths:
-            for lane in turn_order(["upcast", "chunked"], repeat, alternate=True):
-                with chunking(model, lane == "chunked"):
+            for lane in turn_order([first, second], repeat, alternate=True):
+                with context(model, lane == second):
                     times[length][lane].append(prefill_ms(model, length))
                 advance()
     return times
 
 
 def prefill_table(times: dict[int, dict[str, list[float]]], limit: int, repeats: int) -> list[str]:
-    """The header line and the markdown table: per length the median ms each way, ms a token and chunked / upcast."""
+    """The header line and the markdown table: per length the median ms of each lane, ms a token of the second and
+    second / first."""
+    first, second = next(iter(times.values()))
     lines = [f"quantized weights, C path limit {limit} tokens; median of {repeats}, interleaved",
-             "| prompt tokens | upcast ms | chunked ms | chunked ms / token | chunked / upcast |", "|---|---|---|---|---|"]
+             f"| prompt tokens | {first} ms | {second} ms | {second} ms / token | {second} / {first} |", "|---|---|---|---|---|"]
     for length, lanes in times.items():
-        upcast, chunked = median(lanes["upcast"]), median(lanes["chunked"])
-        lines.append(f"| {length} | {upcast:.0f} | {chunked:.0f} | {chunked / length:.2f} | {chunked / upcast:.2f} |")
+        a, b = median(lanes[first]), median(lanes[second])
+        lines.append(f"| {length} | {a:.0f} | {b:.0f} | {b / length:.2f} | {b / a:.2f} |")
     return lines

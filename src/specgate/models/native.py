@@ -164,7 +164,7 @@ def _library() -> ctypes.CDLL | None:
         "read_sum": ([ptr, i64, i32, i64], ctypes.c_double),
         "residual_norm": ([ptr] * 5 + [i64] * 2 + [ctypes.c_float], None),
         "attn_prep": ([ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64, ptr, ptr, i64], None),
-        "attend": ([ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, i32], None),
+        "attend": ([ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, i32, i32], None),
         "argmax_rows": ([ptr, i64, i64, ptr, ptr, i32], None),
         "verify_rows": ([ptr, i64, i64, i64, ptr, ctypes.c_double, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32], None),
         "decode_layers": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32], None),
@@ -231,6 +231,21 @@ def round_activations(x: Tensor) -> Tensor:
     out = torch.empty(rows, (k + 63) // 64 * 64, dtype=torch.float32)  # [R, K rounded up to 64]
     _require("round_activations()").int8_activations(x.data_ptr(), rows, k, out.data_ptr())
     return out[:, :k]
+
+
+def attention_wide() -> bool:
+    """True where attention runs its AVX-512 variant (csrc/kernels.c attend_head16: ~0.87x the prefill time of a
+    480-1000 token prompt; decode steps read the cache from memory and gain little): the CPU has AVX-512;
+    SPECGATE_ATTN_AVX512=0 or SPECGATE_AVX512=0 keeps AVX2. Decided by the CPU alone, never by the rows of a call."""
+    return wide_vectors() and os.environ.get("SPECGATE_ATTN_AVX512", "1") != "0"
+
+
+WIDE_ATTN = 4  # specgate.h: the stack's Config.wide bit for the AVX-512 attention
+
+
+def stack_flags() -> int:
+    """DecodeStack's Config.wide: quant_flags() plus WIDE_ATTN where attention_wide()."""
+    return quant_flags() | (WIDE_ATTN if attention_wide() else 0)
 
 
 def quant_flags() -> int:
@@ -465,6 +480,7 @@ def attention(
     library.attend(
         qkv.data_ptr(), width, rows, positions.data_ptr(), slots.data_ptr(), keys.data_ptr(), values.data_ptr(),
         length, num_heads, num_kv_heads, head_dim, window or 0, scale, out.data_ptr(), scratch.data_ptr(), threads,
+        int(attention_wide()),
     )
     return out
 
@@ -598,7 +614,7 @@ class DecodeStack:
             array[index] = _Layer(**fields, window=layer.window or 0, scale=layer.scale)
         self.layers = array
         self.config = _Config(hidden, heads, kv_heads, head_dim, intermediate, eps, int(gemma),
-                              STACK_ACTIVATIONS[activation], quant_flags())
+                              STACK_ACTIVATIONS[activation], stack_flags())
         self.width = 2 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + 3 * intermediate  # WORK floats per row
         self._library = library
 

@@ -52,6 +52,7 @@ enum {
 /* The `wide` argument of the products (and Config.wide): bits of what the CPU has, decided by it alone (never by R). */
 #define WIDE_AVX512 1 /* AVX-512 float32 products (avx512f, avx512bw) */
 #define WIDE_VNNI 2   /* quantized weights: int8 activations and integer dot products (avx512vnni, avx512vl) */
+#define WIDE_ATTN 4   /* the decoder stack's attention in its AVX-512 variant (kernels.c attend_head16) */
 
 #define WEIGHT_PARTS 4
 
@@ -87,7 +88,7 @@ typedef struct {
     float eps;
     int32_t gemma;  /* Gemma-3 residuals: x += norm(sublayer(x)) (else x += sublayer(x)) */
     int32_t act;    /* 0 silu, 1 tanh gelu */
-    int32_t wide;   /* AVX-512 products where the CPU has them (K % 16 == 0) */
+    int32_t wide;   /* WIDE_* bits: AVX-512 products where the CPU has them (K % 16 == 0), int8 activations, attention */
 } Config;
 
 static inline float hsum(__m256 v) {
