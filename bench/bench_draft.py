@@ -6,7 +6,7 @@ one warm-up of every lane: own baseline, the draft model at gamma 1, 2, 3, the h
 temperature 1 the baseline and both at gamma 3, transformers greedy generate(); the self-speculative candidate only
 when named in --lanes. Speedups, alpha, c, AL and Leviathan's S per category: the method is specgate.bench.draft.
 
-Run: flock /tmp/specgate-heavy.lock .venv/bin/python bench/bench_draft.py [--max-new-tokens 64] [--dtype auto]
+Run: flock /tmp/specgate-heavy.lock .venv/bin/python bench/bench_draft.py [--max-new-tokens 64] [--dtype auto] [--seeds 1]
 """
 
 from __future__ import annotations
@@ -33,12 +33,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers lane")
     parser.add_argument("--agreement-only", action="store_true", help="only the teacher-forced greedy agreement of the default draft with the target on the prompts (no timing)")
     parser.add_argument("--eagle", type=Path, default=None, help="the eagle lanes' head directory (eagle_train export; default: the head shipped for the target)")
+    parser.add_argument("--seeds", type=int, default=1, help="sampled (T=1) lanes: run every prompt under this many seeds (one sample path per prompt is a noisy estimate)")
     parser.add_argument("--lanes", default="", help="comma-separated subset of the lanes (default: all); speedups need the baselines")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds {args.seeds}: run every prompt under at least 1 seed")
     weights = resolve_weights(args.dtype, "gemma-3-270m")  # auto: the GGUF's own blocks where the C kernels run
     dtype = draft_dtype(weights)  # the draft model's and transformers' torch dtype
     target = load_model("gemma-3-270m", dtype=weights)
@@ -63,11 +66,12 @@ def main() -> None:
     def on_record(records: list[dict]) -> None:
         args.out.with_suffix(".partial.json").write_text(json.dumps(records))  # survives an interrupted run
         row = records[-1]
-        print(json.dumps({"category": row["category"], "prompt": row["prompt"], **{lane: round(row[lane]["stats"]["wall_s"], 2) for lane in built}}), flush=True)
+        print(json.dumps({"category": row["category"], "prompt": row["prompt"], "seed": row["seed"],
+                          **{lane: round(row[lane]["stats"]["wall_s"], 2) for lane in built if lane in row}}), flush=True)
 
-    records = run_draft_bench(target, built, hf_model, prompts, args.max_new_tokens, on_record)
+    records = run_draft_bench(target, built, hf_model, prompts, args.max_new_tokens, on_record, seeds=args.seeds)
     summary = summarise(records, list(built) + (["transformers greedy"] if hf_model is not None else []), built)
-    report = {"dtype": str(weights).removeprefix("torch."), "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads(), "summary": summary, "records": records}
+    report = {"dtype": str(weights).removeprefix("torch."), "max_new_tokens": args.max_new_tokens, "seeds": args.seeds, "torch_threads": torch.get_num_threads(), "summary": summary, "records": records}
     args.out.write_text(json.dumps(report, indent=1))
     print(json.dumps({"dtype": report["dtype"], "summary": summary}, indent=1))
 

@@ -98,12 +98,40 @@ def test_prefill_bench_times_both_ways_and_restores_the_rule(tiny_model_dir, mon
     assert runs == []  # the upcast path: no stack call
     prefill.prefill_ms(model, 20)
     assert runs == [8, 8, 4]  # the model's own rule again: chunks of <= 8 through the stack
-    times = prefill.chunked_upcast_ms(model, [4, 20], repeats=2)
+    times = prefill.lanes_ms(model, [4, 20], repeats=2)
     assert all(len(ms) == 2 and min(ms) > 0 for lanes in times.values() for ms in lanes.values())
     lines = prefill.prefill_table(times, 8, 2)
     assert len(lines) == 5 and lines[3].startswith("| 4 |") and lines[4].startswith("| 20 |")
     with pytest.raises(ValueError, match="comma list of prompt lengths"):
         prefill.parse_lengths("64,x")
+
+
+def test_prefill_bench_attention_lanes_switch_the_stacks_variant_and_restore_it(tiny_model_dir, monkeypatch):
+    from specgate.models import native
+
+    if not native.attention_wide():
+        pytest.skip("no AVX-512 attention on this CPU")
+    model = load_model(str(tiny_model_dir("gemma3")), dtype="int8").model
+    prefill.prefill_ms(model, 12)  # builds the stack
+    stack = model.native_stack()
+    built = stack.config.wide
+    assert built & native.WIDE_ATTN
+    caches, flags = {}, {}
+    for wide in (False, True):
+        with prefill.attention_variant(model, wide):
+            flags[wide] = stack.config.wide
+            cache = model.new_cache(1, 13)
+            with torch.inference_mode():
+                model.forward(torch.arange(4, 16)[None], torch.arange(12)[None], cache, torch.tensor([0]), logits=False)
+            caches[wide] = cache.keys[-1].clone()  # the last layer's keys: they read the first layer's attention
+    assert flags == {False: built & ~native.WIDE_ATTN, True: built} and stack.config.wide == built
+    assert torch.allclose(caches[False], caches[True], atol=1e-4)  # the same attention in another summation order
+    times = prefill.lanes_ms(model, [6], repeats=2, compare="attention")
+    assert set(times[6]) == {"avx2", "avx512"} and prefill.prefill_table(times, 8, 2)[1].startswith("| prompt tokens | avx2 ms |")
+    monkeypatch.setattr(native, "wide_vectors", lambda: False)
+    with pytest.raises(ValueError, match="needs the C stack and AVX-512"):
+        with prefill.attention_variant(model, True):
+            pass
 
 
 def test_draft_bench_records_and_summary(tiny, hf_tiny):
@@ -114,7 +142,22 @@ def test_draft_bench_records_and_summary(tiny, hf_tiny):
     assert seen == [1, 2] and [r["category"] for r in records] == ["code", "prose"]
     assert records[0]["transformers greedy"]["stats"]["new_tokens"] == 4
     summary = draft.summarise(records, [*built, "transformers greedy"], built)
-    assert set(summary) == {"code", "prose"}
+    assert set(summary) == {"code", "prose", "all"}
+    assert summary["all"]["default g2"]["tokens_per_s"] == pytest.approx(8 / sum(r["default g2"]["stats"]["wall_s"] for r in records))
     lane = summary["code"]["default g2"]
     assert lane["identical_to_baseline"] and {"alpha", "c", "acceptance_length", "theory_speedup", "decode_speedup"} <= set(lane)
     assert records[0]["transformers greedy"]["tokens"] == records[0]["baseline"]["tokens"]  # greedy is exact in both libraries
+
+
+def test_draft_bench_seeds_repeat_the_sampled_lanes_only(tiny):
+    built = {"baseline": (NoDrafter(), 0, 0.0), "baseline T=1": (NoDrafter(), 0, 1.0), "ngram g2 T=1": (NgramDrafter(), 2, 1.0)}
+    prompts = {"code": ["def f(x):\n    return x\ndef g(x):\n    return"], "prose": ["one two three one two"]}
+    records = draft.run_draft_bench(tiny, built, None, prompts, 4, seeds=3)
+    assert [(r["category"], r["seed"]) for r in records] == [("code", 1000), ("prose", 1000), ("code", 2000), ("prose", 2000),
+                                                             ("code", 3000), ("prose", 3000)]
+    assert "baseline" in records[0] and all(set(r) == {"category", "prompt", "seed", "baseline T=1", "ngram g2 T=1"} for r in records[2:])
+    summary = draft.summarise(records, list(built), built)["code"]
+    assert summary["ngram g2 T=1"]["speedup_ci95"] is not None  # 3 runs of the code prompt
+    assert summary["baseline"]["tokens_per_s"] == pytest.approx(4 / records[0]["baseline"]["stats"]["wall_s"])  # its one run
+    with pytest.raises(ValueError, match="seeds=0"):
+        draft.run_draft_bench(tiny, built, None, prompts, 4, seeds=0)

@@ -145,10 +145,27 @@ def test_draft_summary_by_hand():
     assert lane["alpha"] == pytest.approx(2 / 3) and lane["acceptance_rate"] == 0.5 and lane["acceptance_length"] == 2.0
     assert lane["c"] == pytest.approx(0.1) and lane["identical_to_baseline"]
     assert lane["theory_speedup"] == pytest.approx((1 - (2 / 3) ** 3) / ((1 - 2 / 3) * 1.2))
+    assert lane["speedup_ci95"] == [2.0, 2.0] and lane["acceptance_length_ci95"] == [2.0, 2.0]  # two identical runs
+    assert "speedup_ci95" not in summary["baseline"]
     assert draft.choose_lanes("") == draft.DEFAULT_LANES and "self-spec 6L g2" not in draft.DEFAULT_LANES
     assert "eagle g3" in draft.DEFAULT_LANES and "draft-model g3" in draft.DEFAULT_LANES
     with pytest.raises(ValueError, match=r"unknown lane\(s\) \['nope'\]"):
         draft.choose_lanes("baseline,nope")
+
+
+def test_draft_summary_cis_resample_the_prompt_runs():
+    """Two runs, one at 1.0x and AL 1, one at 4.0x and AL 3: a quarter of the resamples draw the first twice, a
+    quarter the second twice, so the 95% percentile CI runs from the one to the other; one run has no CI."""
+    slow = draft_stats(2.0, 0.0, accepted_tokens=0, rejections=10, drafted_tokens=10, iterations=10)
+    fast = draft_stats(0.5, 0.0, accepted_tokens=20, rejections=0, drafted_tokens=20, iterations=10)
+    base = {"tokens": [], "stats": draft_stats(2.0, 0.0)}
+    rows = [{"category": "code", "baseline": base, "lane": {"tokens": [], "stats": stats}} for stats in (slow, fast)]
+    built = {"baseline": (None, 0, 0.0), "lane": (None, 2, 0.0)}
+    lane = draft.summarise(rows, ["baseline", "lane"], built)["code"]["lane"]
+    assert lane["speedup"] == pytest.approx(1.6) and lane["speedup_ci95"] == pytest.approx([1.0, 4.0])
+    assert lane["acceptance_length"] == 2.0 and lane["acceptance_length_ci95"] == pytest.approx([1.0, 3.0])
+    single = draft.summarise(rows[:1], ["baseline", "lane"], built)["code"]["lane"]
+    assert single["speedup"] == 1.0 and single["speedup_ci95"] is None and single["acceptance_length_ci95"] is None
 
 
 def test_assisted_pooled_acceptance_summary_and_rotation():

@@ -14,6 +14,8 @@ alone at gamma 6 (the same seeds); transformers' greedy generate() on the same w
 Speedup = baseline wall time / lane wall time summed over a category's prompts (tokens per second), prefill
 included; decode_speedup leaves the (identical) prefill out of both. alpha, c, AL come from the engine's counters;
 theory_speedup is Leviathan's S(alpha, gamma, c) from the measured alpha and c (it takes every chain gamma long).
+Speedup and AL carry 95% bootstrap CIs over a category's prompt runs; with seeds > 1 the sampled lanes run each
+prompt under that many seeds, so their CIs cover the sample paths as well as the prompts.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from specgate.bench.generation import hf_run, own_run, prompt_ids
 from specgate.drafting import NoDrafter, distill, make_drafter
 from specgate.drafting.build_default import PACKAGE_DRAFT_DIR
+from specgate.gate.quality import BOOTSTRAP_RESAMPLES
 from specgate.theory import speedup as theory_speedup
 
 # lane -> (drafter spec: "none", "default" or "self-spec:L", gamma, temperature)
@@ -54,6 +58,7 @@ DRAFT_LANES = {
     "head g6 T=1": ("eagle-head", 6, 1.0),
 }
 DEFAULT_LANES = [lane for lane in DRAFT_LANES if not lane.startswith("self-spec")]
+SEED_STRIDE = 1000  # a prompt's seed in repeat s (--seeds): 1000 + index + SEED_STRIDE s
 
 
 def self_speculative_dir(target: Any, layers: int, out_dir: Path) -> Path:
@@ -133,33 +138,60 @@ def hf_greedy_record(hf_model: Any, tokenizer: Any, prompt: str, max_new_tokens:
 
 
 def run_draft_bench(target: Any, built: dict[str, tuple[Any, int, float]], hf_model: Any, prompts: dict[str, list[str]],
-                    max_new_tokens: int, on_record: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:
+                    max_new_tokens: int, on_record: Callable[[list[dict]], None] = lambda records: None,
+                    seeds: int = 1) -> list[dict]:
     """Warm-up of every lane on a short prompt, then every prompt through every lane in turn (seed 1000 + index):
-    one record per prompt {category, prompt, lane: {tokens, stats}}; on_record(records so far) after each."""
+    one record per prompt {category, prompt, seed, lane: {tokens, stats}}; on_record(records so far) after each.
+    seeds > 1: the sampled lanes (temperature > 0) run every prompt again under seed 1000 + index + SEED_STRIDE s,
+    s = 1 .. seeds - 1, one record per prompt and seed without the greedy lanes: one sample path per prompt is a
+    noisy estimate of a sampled lane's acceptance, while greedy lanes repeat their tokens."""
+    if seeds < 1:
+        raise ValueError(f"seeds={seeds}: run every prompt under at least 1 seed")
     for lane in built.values():
         run_lane(target, lane, "import os\n", 0, 8)
     if hf_model is not None:
         hf_greedy_record(hf_model, target.tokenizer, "import os\n", 8)
+    sampled = {lane: spec for lane, spec in built.items() if spec[2] > 0}
     records: list[dict] = []
-    for category, texts in prompts.items():
-        for index, prompt in enumerate(texts):
-            row: dict = {"category": category, "prompt": index}
-            for lane, built_lane in built.items():
-                row[lane] = run_lane(target, built_lane, prompt, 1000 + index, max_new_tokens)
-            if hf_model is not None:
-                row["transformers greedy"] = hf_greedy_record(hf_model, target.tokenizer, prompt, max_new_tokens)
-            records.append(row)
-            on_record(records)
+    for repeat in range(seeds):
+        lanes = built if repeat == 0 else sampled
+        if not lanes:
+            break
+        for category, texts in prompts.items():
+            for index, prompt in enumerate(texts):
+                seed = 1000 + index + SEED_STRIDE * repeat
+                row: dict = {"category": category, "prompt": index, "seed": seed}
+                for lane, built_lane in lanes.items():
+                    row[lane] = run_lane(target, built_lane, prompt, seed, max_new_tokens)
+                if hf_model is not None and repeat == 0:
+                    row["transformers greedy"] = hf_greedy_record(hf_model, target.tokenizer, prompt, max_new_tokens)
+                records.append(row)
+                on_record(records)
     return records
 
 
-def speedups(rows: list[dict], lane: str, base_lane: str, with_decode: bool) -> dict[str, float]:
-    """tokens/s summed over rows, against base_lane (prefill included; with_decode: and without it in both)."""
+def row_bootstrap_ci(columns: np.ndarray, value: Callable[[np.ndarray], np.ndarray], seed: int = 0) -> list[float] | None:
+    """95% percentile-bootstrap CI of value(column sums) with the rows resampled together: columns [N, K] (one row
+    per prompt run, e.g. wall s and tokens of a lane and its baseline), value maps sums [R, K] -> [R]. None for
+    fewer than 2 rows."""
+    rows = columns.shape[0]
+    if rows < 2:
+        return None
+    index = np.random.default_rng(seed).integers(0, rows, size=(BOOTSTRAP_RESAMPLES, rows))  # [R, N]
+    values = value(columns[index].sum(axis=1))  # [R]
+    return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+
+
+def speedups(rows: list[dict], lane: str, base_lane: str, with_decode: bool) -> dict[str, Any]:
+    """tokens/s summed over rows, against base_lane (prefill included; with_decode: and without it in both), with
+    the speedup's 95% bootstrap CI over the rows (prompt runs)."""
     def totals(name: str) -> tuple[float, int]:
         return sum(r[name]["stats"]["wall_s"] for r in rows), sum(r[name]["stats"]["new_tokens"] for r in rows)
 
     (wall, tokens), (base_wall, base_tokens) = totals(lane), totals(base_lane)
-    out = {"speedup": (tokens / wall) / (base_tokens / base_wall)}
+    out: dict[str, Any] = {"speedup": (tokens / wall) / (base_tokens / base_wall)}
+    columns = np.array([[r[name]["stats"][key] for name in (lane, base_lane) for key in ("new_tokens", "wall_s")] for r in rows], dtype=float)
+    out["speedup_ci95"] = row_bootstrap_ci(columns, lambda s: (s[:, 0] / s[:, 1]) / (s[:, 2] / s[:, 3]))
     if with_decode:
         decode_s = wall - sum(r[lane]["stats"]["prefill_ms"] for r in rows) / 1e3
         base_decode_s = base_wall - sum(r[base_lane]["stats"]["prefill_ms"] for r in rows) / 1e3
@@ -168,14 +200,17 @@ def speedups(rows: list[dict], lane: str, base_lane: str, with_decode: bool) -> 
 
 
 def acceptance(stats: list[dict], gamma: int) -> dict[str, float | None]:
-    """alpha, AR, AL, c, draft ms per token, verify ms per step over pooled engine counters, and Leviathan's S."""
+    """alpha, AR, AL (with its 95% bootstrap CI over the runs), c, draft ms per token, verify ms per step over pooled
+    engine counters, and Leviathan's S."""
     accepted, rejections = sum(s["accepted_tokens"] for s in stats), sum(s["rejections"] for s in stats)
     iterations, drafted = sum(s["iterations"] for s in stats), sum(s["drafted_tokens"] for s in stats)
     alpha = accepted / (accepted + rejections) if accepted + rejections else None
     draft_ms_per_token = sum(s["draft_ms_total"] for s in stats) / drafted
     verify_ms_per_step = sum(s["verify_ms_total"] for s in stats) / iterations
     c = draft_ms_per_token / verify_ms_per_step
+    columns = np.array([[s["accepted_tokens"], s["iterations"]] for s in stats], dtype=float)
     return dict(alpha=alpha, acceptance_rate=accepted / drafted, acceptance_length=(accepted + iterations) / iterations, c=c,
+                acceptance_length_ci95=row_bootstrap_ci(columns, lambda s: (s[:, 0] + s[:, 1]) / s[:, 1]),
                 draft_ms_per_token=draft_ms_per_token, verify_ms_per_step=verify_ms_per_step,
                 theory_speedup=theory_speedup(min(alpha, 0.999999), gamma, c) if alpha is not None else None)
 
@@ -185,9 +220,12 @@ def lane_entry(rows: list[dict], lane: str, built: dict[str, tuple[Any, int, flo
     greedy baseline, and acceptance (speculative lanes) or ms per step (baselines)."""
     gamma, temperature = built[lane][1:] if lane in built else (0, 0.0)
     base_lane = "baseline T=1" if temperature > 0 else "baseline"
+    rows = [r for r in rows if lane in r]  # the extra seeds' records hold the sampled lanes only
     entry: dict = {"tokens_per_s": sum(r[lane]["stats"]["new_tokens"] for r in rows) / sum(r[lane]["stats"]["wall_s"] for r in rows)}
     if base_lane in built:
         entry.update(speedups(rows, lane, base_lane, with_decode=lane in built))
+        if lane == base_lane:
+            entry.pop("speedup_ci95")
     if temperature == 0 and lane != "baseline" and "baseline" in built:
         entry["identical_to_baseline"] = all(r[lane]["tokens"] == r["baseline"]["tokens"] for r in rows)
     stats = [r[lane]["stats"] for r in rows]
@@ -199,6 +237,10 @@ def lane_entry(rows: list[dict], lane: str, built: dict[str, tuple[Any, int, flo
 
 
 def summarise(records: list[dict], lanes: list[str], built: dict[str, tuple[Any, int, float]]) -> dict:
-    """category -> lane -> lane_entry."""
-    return {category: {lane: lane_entry([r for r in records if r["category"] == category], lane, built) for lane in lanes}
-            for category in sorted({r["category"] for r in records})}
+    """category -> lane -> lane_entry, plus "all" (every category's runs pooled) where there are several."""
+    categories = sorted({r["category"] for r in records})
+    summary = {category: {lane: lane_entry([r for r in records if r["category"] == category], lane, built) for lane in lanes}
+               for category in categories}
+    if len(categories) > 1:
+        summary["all"] = {lane: lane_entry(records, lane, built) for lane in lanes}
+    return summary

