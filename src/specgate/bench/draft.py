@@ -184,14 +184,15 @@ def row_bootstrap_ci(columns: np.ndarray, value: Callable[[np.ndarray], np.ndarr
 
 def speedups(rows: list[dict], lane: str, base_lane: str, with_decode: bool) -> dict[str, Any]:
     """tokens/s summed over rows, against base_lane (prefill included; with_decode: and without it in both), with
-    the speedup's 95% bootstrap CI over the rows (prompt runs)."""
+    the speedup's 95% bootstrap CI over the rows (prompt runs) for a lane other than the baseline."""
     def totals(name: str) -> tuple[float, int]:
         return sum(r[name]["stats"]["wall_s"] for r in rows), sum(r[name]["stats"]["new_tokens"] for r in rows)
 
     (wall, tokens), (base_wall, base_tokens) = totals(lane), totals(base_lane)
     out: dict[str, Any] = {"speedup": (tokens / wall) / (base_tokens / base_wall)}
-    columns = np.array([[r[name]["stats"][key] for name in (lane, base_lane) for key in ("new_tokens", "wall_s")] for r in rows], dtype=float)
-    out["speedup_ci95"] = row_bootstrap_ci(columns, lambda s: (s[:, 0] / s[:, 1]) / (s[:, 2] / s[:, 3]))
+    if lane != base_lane:
+        columns = np.array([[r[name]["stats"][key] for name in (lane, base_lane) for key in ("new_tokens", "wall_s")] for r in rows], dtype=float)
+        out["speedup_ci95"] = row_bootstrap_ci(columns, lambda s: (s[:, 0] / s[:, 1]) / (s[:, 2] / s[:, 3]))
     if with_decode:
         decode_s = wall - sum(r[lane]["stats"]["prefill_ms"] for r in rows) / 1e3
         base_decode_s = base_wall - sum(r[base_lane]["stats"]["prefill_ms"] for r in rows) / 1e3
@@ -224,8 +225,6 @@ def lane_entry(rows: list[dict], lane: str, built: dict[str, tuple[Any, int, flo
     entry: dict = {"tokens_per_s": sum(r[lane]["stats"]["new_tokens"] for r in rows) / sum(r[lane]["stats"]["wall_s"] for r in rows)}
     if base_lane in built:
         entry.update(speedups(rows, lane, base_lane, with_decode=lane in built))
-        if lane == base_lane:
-            entry.pop("speedup_ci95")
     if temperature == 0 and lane != "baseline" and "baseline" in built:
         entry["identical_to_baseline"] = all(r[lane]["tokens"] == r["baseline"]["tokens"] for r in rows)
     stats = [r[lane]["stats"] for r in rows]

@@ -234,9 +234,10 @@ def round_activations(x: Tensor) -> Tensor:
 
 
 def attention_wide() -> bool:
-    """True where attention runs its AVX-512 variant (csrc/kernels.c attend_head16: ~0.87x the prefill time of a
-    480-1000 token prompt; decode steps read the cache from memory and gain little): the CPU has AVX-512;
-    SPECGATE_ATTN_AVX512=0 or SPECGATE_AVX512=0 keeps AVX2. Decided by the CPU alone, never by the rows of a call."""
+    """True where attention runs its AVX-512 variant (csrc/kernels.c attend_head16: fewer instructions, which pay in a
+    prefill's chunks whose keys are in cache; decode steps read the cache from memory and gain little): the CPU has
+    AVX-512; SPECGATE_ATTN_AVX512=0 or SPECGATE_AVX512=0 keeps AVX2. Decided by the CPU alone, never by the rows of a
+    call (bench/bench_prefill.py --compare attention measures it)."""
     return wide_vectors() and os.environ.get("SPECGATE_ATTN_AVX512", "1") != "0"
 
 
