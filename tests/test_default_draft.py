@@ -140,6 +140,37 @@ def test_gemmas_default_draft_is_its_shipped_eagle_head_within_the_size_bound_wi
 
 
 @pytest.mark.slow
+def test_the_shipped_heads_sample_temperature_is_its_calibration_and_the_command_rewrites_a_copy(tmp_path):
+    """The shipped head's sample_temperature is the recorded calibration's choice, the best of its table; the
+    calibrate command on a copy (2 short windows) writes a choice from its grid with the table it came from."""
+    import subprocess
+    import sys
+
+    from specgate.drafting import eagle
+    from specgate.drafting.eagle_train import CALIBRATION_TEMPERATURES
+
+    head_dir = EAGLE_HEADS["gemma-3-270m"]
+    info = json.loads((head_dir / eagle.HEAD_CONFIG_FILE).read_text())
+    calibration = info["metadata"]["calibration"]
+    assert info["config"]["sample_temperature"] == calibration["chosen"] != 1.0
+    lengths = calibration["acceptance_length"]
+    assert calibration["temperatures"][lengths.index(max(lengths))] == calibration["chosen"]
+    copy = tmp_path / "head"
+    shutil.copytree(head_dir, copy)
+    info["config"]["sample_temperature"] = 1.0
+    del info["metadata"]["calibration"]
+    (copy / eagle.HEAD_CONFIG_FILE).write_text(json.dumps(info))
+    run = subprocess.run([sys.executable, "-m", "specgate.drafting.eagle_train", "calibrate", "--head-dir", str(copy), "--windows", "2",
+                          "--window-len", "24", "--gamma", "2"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    written = json.loads((copy / eagle.HEAD_CONFIG_FILE).read_text())
+    result = written["metadata"]["calibration"]
+    assert result["windows"] == 2 and result["window_len"] == 24 and len(result["rates"][0]) == 2
+    assert written["config"]["sample_temperature"] == result["chosen"] == json.loads(run.stdout)["chosen"]
+    assert result["chosen"] in CALIBRATION_TEMPERATURES and all(0.0 < rate < 1.0 for row in result["rates"] for rate in row)
+
+
+@pytest.mark.slow
 def test_default_on_gemma_is_the_eagle_head_and_exact_in_greedy(gemma):
     drafter = make_drafter("default", gemma)
     assert isinstance(drafter, EagleDrafter)

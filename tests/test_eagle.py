@@ -137,6 +137,42 @@ def test_batch_rows_is_a_pure_function_of_the_step():
     assert sorted(epoch.tolist()) == list(range(20))  # one epoch visits every window once
 
 
+def test_sample_temperature_defaults_to_the_trained_q_and_must_be_positive(tiny):
+    import dataclasses
+
+    _, model = tiny
+    config = _head(model).config
+    assert config.sample_temperature == 1.0
+    saved = config.to_dict()
+    del saved["sample_temperature"]
+    assert eagle.EagleConfig.from_dict(saved) == config  # a head saved before the field loads as trained
+    for bad in (0.0, -0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"sample_temperature={bad}: use a finite value > 0"):
+            dataclasses.replace(config, sample_temperature=bad)
+
+
+def test_sampled_acceptance_is_the_overlap_of_p_and_the_tempered_q_at_each_step(tiny):
+    _, model = tiny
+    head = _head(model, layers=(eagle.FEATURE_FINAL_NORM,), seed=2).eval()
+    ids = _ids(2, 10, model.vocab_size, seed=5)
+    rates = eagle.sampled_acceptance(head, model, ids, (0.5, 1.0), 3)  # [2, 3]
+    assert rates.shape == (2, 3)
+    with torch.no_grad():  # by hand: every index with a chain at every step (j >= 2), averaged per row, then over rows
+        logits = model.forward(ids, torch.arange(10)[None].expand(2, 10), model.new_cache(2, 10), torch.arange(2))
+        p = torch.softmax(logits[:, 3:9].float(), -1)[..., head.d2t]  # [B, 6, V_d]
+        feats = eagle.target_features(model, ids, head.config.feature_layers)[:, :8]
+        steps = head.unrolled(ids[:, 1:9], feats, 3)
+    for k, t in enumerate((0.5, 1.0)):
+        for s, (draft_logits, _) in enumerate(steps):
+            q = torch.softmax(draft_logits[:, 2:].float() / t, -1)
+            assert float(rates[k, s]) == pytest.approx(float(torch.minimum(p, q).sum(-1).mean()), abs=1e-5)
+    assert float(rates[0].sub(rates[1]).abs().max()) > 1e-3  # the temperature changes the overlap
+    with pytest.raises(ValueError, match="at least steps \\+ 2 = 5 tokens"):
+        eagle.sampled_acceptance(head, model, ids[:, :4], (1.0,), 3)
+    with pytest.raises(ValueError, match="values > 0"):
+        eagle.sampled_acceptance(head, model, ids, (0.0,), 1)
+
+
 def test_chain_acceptance_counts_prefixes(tiny):
     _, model = tiny
     head = _head(model).eval()

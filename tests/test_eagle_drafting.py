@@ -9,6 +9,7 @@ drafts are accepted, at each change of token they are rejected: acceptance is pa
 the engine hands the head the right states at the right positions.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 import urllib.request
@@ -69,7 +70,11 @@ def random_head(model, seed: int = 0, layers=(eagle.FEATURE_FINAL_NORM,)) -> eag
 
 @pytest.fixture(scope="module")
 def echo_dir(target, tmp_path_factory):
-    return eagle.save_head(echo_head(target.model), tmp_path_factory.mktemp("echo-head"), {"target": "tiny-gemma3"})
+    """The echo head saved with sample_temperature 0.7 (sampled drafts from a sharpened q): the exactness tests below
+    run with the calibration in the draw, which only greedy rows ignore."""
+    head = echo_head(target.model)
+    head.config = dataclasses.replace(head.config, sample_temperature=0.7)
+    return eagle.save_head(head, tmp_path_factory.mktemp("echo-head"), {"target": "tiny-gemma3"})
 
 
 def prompt_features(model, ids: torch.Tensor) -> torch.Tensor:
@@ -294,8 +299,10 @@ def test_rejected_drafts_need_no_undo(target):
         used.observe_features(12, feats[12:13])
 
 
-def test_sampled_q_is_the_heads_processed_softmax_on_the_target_vocabulary(target):
+@pytest.mark.parametrize("sample_temperature", [1.0, 0.6])
+def test_sampled_q_is_the_heads_processed_softmax_on_the_target_vocabulary(target, sample_temperature):
     head = random_head(target.model, seed=6)
+    head.config = dataclasses.replace(head.config, sample_temperature=sample_temperature)
     params = SamplingParams(temperature=0.8, top_k=20)
     ids = torch.randint(4, 512, (7,), generator=torch.Generator().manual_seed(4))
     feats = prompt_features(target.model, ids)
@@ -315,8 +322,37 @@ def test_sampled_q_is_the_heads_processed_softmax_on_the_target_vocabulary(targe
         projected = head.project_target(feats[None, :-1, None])
         logits, _ = eagle.drafting_step(head)(ids[None, 1:], projected, torch.arange(6)[None], head.new_cache(1, 8), torch.tensor([0]))
     expected = torch.zeros(512)
-    expected[head.d2t] = logits_to_probs(logits[0, -1], params)
+    expected[head.d2t] = logits_to_probs(logits[0, -1] / sample_temperature, params)  # the calibration, then the request's params
     torch.testing.assert_close(q[0], expected)
+
+
+def test_calibration_undoes_a_flattened_heads_temperature_and_writes_it_to_the_heads_config(target, tmp_path):
+    """Halving a head's rows halves its logits: q at temperature t is then the unhalved head's q at 2t, so its table
+    must be the unhalved one's at twice the temperatures and its choice half the unhalved choice. No q on d2t can
+    overlap p by more than p's mass on d2t, and the temperature must matter (a flat table would choose anything)."""
+    from specgate.drafting.eagle_train import calibrate, write_calibration
+
+    model = target.model
+    windows = torch.randint(4, 512, (3, 12), generator=torch.Generator().manual_seed(11))  # [N, T]
+    with torch.no_grad():
+        logits = model.forward(windows, torch.arange(12)[None].expand(3, 12), model.new_cache(3, 12), torch.arange(3))  # [N, T, V]
+    mass = float(torch.softmax(logits[:, 1:11].float(), -1)[..., draft_map(512)].sum(-1).mean())  # p after x_{j+1} on d2t
+    head = echo_head(model)
+    plain = calibrate(head, model, windows, 2, (0.5, 1.0, 2.0, 4.0))
+    head.rows.mul_(0.5)
+    result = calibrate(head, model, windows, 2, (0.25, 0.5, 1.0, 2.0))
+    assert result["rates"] == plain["rates"] and result["chosen"] == plain["chosen"] / 2
+    rates = [rate for row in plain["rates"] for rate in row]
+    assert max(rates) <= mass + 1e-4 and max(rates) - min(rates) > 0.05, (rates, mass)
+    assert plain["acceptance_length"][plain["temperatures"].index(plain["chosen"])] == max(plain["acceptance_length"])
+    out = eagle.save_head(echo_head(model), tmp_path / "head", {"target": "tiny-gemma3"})
+    weights = (out / eagle.HEAD_WEIGHTS_FILE).read_bytes()
+    write_calibration(out, result, "three random windows")
+    loaded = eagle.load_head(out, target)
+    info = json.loads((out / eagle.HEAD_CONFIG_FILE).read_text())
+    assert loaded.config.sample_temperature == result["chosen"] and info["metadata"]["target"] == "tiny-gemma3"
+    assert info["metadata"]["calibration"]["chosen"] == result["chosen"] and info["metadata"]["calibration"]["data"] == "three random windows"
+    assert (out / eagle.HEAD_WEIGHTS_FILE).read_bytes() == weights  # only the config changes
 
 
 def test_a_prompt_of_one_token_drafts_nothing_until_a_state_is_known(target):

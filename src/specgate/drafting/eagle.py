@@ -107,6 +107,15 @@ class EagleConfig:
     feature_layers: tuple[int, ...] = (FEATURE_FINAL_NORM,)
     rope_theta: float = 10_000.0
     max_position_embeddings: int = 32_768
+    # a sampled request's draft divides the head's logits by this before its own temperature applies: training
+    # matches q to p by forward KL, which leaves q broader than the overlap sum_x min(p, q) (the acceptance rate at
+    # temperature 1) wants; fitted after training on held-out text (sampled_acceptance, `eagle_train calibrate`).
+    # Exact for any value > 0: verification divides by the q the draft was drawn from. Greedy drafts ignore it.
+    sample_temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.sample_temperature) and self.sample_temperature > 0):
+            raise ValueError(f"sample_temperature={self.sample_temperature}: use a finite value > 0 (1: the head's q as trained)")
 
     @staticmethod
     def for_target(args: ModelArgs, draft_vocab_size: int, feature_layers: Sequence[int], intermediate_size: int | None = None) -> "EagleConfig":
@@ -449,6 +458,34 @@ def chain_acceptance(head: EagleHead, token_ids: Tensor, features: Tensor, score
         prefix.append(float((alive & usable).sum()) / max(count, 1))
     conditional = [prefix[0]] + [prefix[k] / prefix[k - 1] if prefix[k - 1] else 0.0 for k in range(1, gamma)]
     return {"chains": count, "prefix_match": prefix, "conditional": conditional, "acceptance_length": 1.0 + sum(prefix)}
+
+
+@torch.no_grad()
+def sampled_acceptance(head: EagleHead, model: CausalLM, token_ids: Tensor, temperatures: Sequence[float], steps: int) -> Tensor:
+    """Teacher-forced acceptance of sampled drafts at temperature 1, per candidate sample_temperature t and chain
+    step `# [len(temperatures), steps]` (float64).
+
+    token_ids [B, T] target ids, each row from position 0. At head index j (reading h_j and x_{j+1}; step s feeds
+    the head's own features from s earlier steps, as a chain's s-th draft does) the rate is sum_x min(p(x), q_t(x)):
+    p the target's next-token distribution over its FULL vocabulary (mass outside d2t is never drafted), q_t =
+    softmax(head logits / t) on d2t's ids. That overlap is the chance exact verification accepts the draft, so it is
+    the quantity sample_temperature should maximise; it is averaged over every index that has a chain at every step."""
+    if not temperatures or any(not t > 0 for t in temperatures):
+        raise ValueError(f"temperatures {list(temperatures)}: give one or more values > 0")
+    B, T = token_ids.shape
+    if T < steps + 2:
+        raise ValueError(f"rows of {T} tokens: give rows of at least steps + 2 = {steps + 2} tokens")
+    total = torch.zeros(len(temperatures), steps, dtype=torch.float64)
+    scale = torch.tensor([float(t) for t in temperatures])[:, None, None]  # [K, 1, 1]
+    for row in token_ids:
+        ids = row[None]  # [1, T]
+        logits = model.forward(ids, torch.arange(T)[None], model.new_cache(1, T), torch.zeros(1, dtype=torch.int64))
+        p = torch.softmax(logits[0, 1 : T - 1].float(), -1)[steps - 1 :, head.d2t]  # [W, V_d] p after x_{j+1}
+        features = target_features(model, ids, head.config.feature_layers)[:, : T - 2]  # [1, T-2, n, H]
+        for step, (draft_logits, _) in enumerate(head.unrolled(ids[:, 1 : T - 1], features, steps)):
+            q = torch.softmax(draft_logits[0, steps - 1 :].float() / scale, -1)  # [K, W, V_d]
+            total[:, step] += torch.minimum(p, q).sum(-1).double().mean(-1)
+    return total / B
 
 
 def expected_acceptance_length(rates: Sequence[float]) -> float:

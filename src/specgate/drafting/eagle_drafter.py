@@ -172,13 +172,15 @@ class EagleProposer:
             return tokens, probs
         logits, out = self._catch_up([slots[i] for i in rows], [states[i] for i in rows], [contexts[i] for i in rows])
         confidence = torch.ones(len(rows))  # [B'] the head's own estimate that the chain so far is accepted
+        sharpen = float(self.head.config.sample_temperature)
         for step in range(max(gammas[i] for i in rows)):
             finite = torch.isfinite(logits).all(dim=-1)  # [B']: NaN/inf head logits end a row's chain
             if not bool(finite.all()):
                 rows, logits, out, confidence = [i for i, ok in zip(rows, finite.tolist()) if ok], logits[finite], out[finite], confidence[finite]
                 if not rows:
                     break
-            drafted, q = sample(logits, rows)  # [B'], [B', V_t] or None
+            # sampled rows draw from q at the head's sample_temperature (EagleConfig); argmax is unchanged by it
+            drafted, q = sample(logits if sharpen == 1.0 else logits / sharpen, rows)  # [B'], [B', V_t] or None
             for k, i in enumerate(rows):
                 tokens[i].append(int(drafted[k]))
                 if q is not None and q[k] is not None:

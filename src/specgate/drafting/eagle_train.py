@@ -17,6 +17,9 @@ train (resumable from build/eagle/<run>/checkpoint.pt; seeded): the head (specga
   per draft position and category, written to build/eagle/<run>/metrics.json.
 export: a run's checkpoint as the directory `--draft eagle:DIR` loads (eagle.save_head: bf16 weights, the d2t map,
   the target's fingerprint and a model card from metrics.json).
+calibrate: the exported head's sample_temperature (EagleConfig), the divisor of its logits in sampled drafts that
+  the target accepts most at temperature 1 (eagle.sampled_acceptance on the held-out reference topics), written to
+  its eagle_config.json.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from torch import Tensor
 
 from specgate.drafting import distill, eagle
 from specgate.drafting.build_default import PACKAGE_DRAFT_DIR, TARGET, _progress
+from specgate.drafting.registry import EAGLE_HEADS
 
 BUILD_DIR = Path("build/eagle")
+PACKAGE_EAGLE_DIR = EAGLE_HEADS[TARGET]  # the head that ships
 STORED_LAYERS = (2, 9, 15, 17, eagle.FEATURE_FINAL_NORM)  # EAGLE-3's low / middle / high (vLLM: 2, L/2, L-3), last, final norm
 HELDOUT_CATEGORIES = ("code", "prose", "docs")  # held-out stdlib modules, plays, reference topics (in this row order)
 FEATURE_SETS = {"final": (eagle.FEATURE_FINAL_NORM,), "last": (17,), "low-mid-high": (2, 9, 15), "low-mid-final": (2, 9, eagle.FEATURE_FINAL_NORM)}
@@ -344,6 +349,43 @@ def export_head(run_dir: Path, target: Any, d2t: Tensor, out_dir: Path, target_n
     return eagle.save_head(head, out_dir, metadata)
 
 
+CALIBRATION_TEMPERATURES = tuple(round(0.5 + 0.05 * i, 2) for i in range(15))  # 0.50 .. 1.20
+
+
+def reference_windows(tokenizer: Any, count: int, length: int, seed: int) -> Tensor:
+    """count windows [count, length] of the held-out reference topics (distill.reference_texts(held_out=True)):
+    text no head saw in training and no bench prompt comes from, <bos> first."""
+    tokens = distill.tokenize_documents(distill.reference_texts(held_out=True), tokenizer)
+    return distill.sample_windows(tokens, count, length, int(tokenizer.bos_token_id), random.Random(seed))
+
+
+def calibrate(head: eagle.EagleHead, model: Any, windows: Tensor, gamma: int, temperatures: tuple[float, ...] = CALIBRATION_TEMPERATURES,
+              on_row: Callable[[], None] | None = None) -> dict[str, Any]:
+    """The sample_temperature that maximises the sampled chains' expected acceptance length at gamma on windows
+    [N, T] (eagle.sampled_acceptance per step, chained as eagle.expected_acceptance_length does), and the table
+    behind the choice: {chosen, temperatures, rates [K][gamma], acceptance_length [K], windows, window_len}."""
+    rates = torch.zeros(len(temperatures), gamma, dtype=torch.float64)
+    for row in windows:
+        rates += eagle.sampled_acceptance(head, model, row[None], temperatures, gamma)
+        if on_row is not None:
+            on_row()
+    rates /= windows.shape[0]
+    lengths = [eagle.expected_acceptance_length(r.tolist()) for r in rates]
+    best = max(range(len(temperatures)), key=lambda k: lengths[k])
+    return {"chosen": temperatures[best], "temperatures": list(temperatures), "rates": [[round(v, 4) for v in r.tolist()] for r in rates],
+            "acceptance_length": [round(v, 4) for v in lengths], "windows": int(windows.shape[0]), "window_len": int(windows.shape[1])}
+
+
+def write_calibration(head_dir: Path, result: dict[str, Any], data: str) -> None:
+    """Set head_dir's eagle_config.json sample_temperature to result's choice and record result (and what data it
+    came from) in its metadata; the weights, d2t map and model card are left as they are."""
+    path = head_dir / eagle.HEAD_CONFIG_FILE
+    info = json.loads(path.read_text())
+    info["config"]["sample_temperature"] = result["chosen"]
+    info["metadata"]["calibration"] = {**result, "data": data, "recipe": "python -m specgate.drafting.eagle_train calibrate"}
+    path.write_text(json.dumps(info, indent=2) + "\n")
+
+
 app = typer.Typer(add_completion=False, help=__doc__)
 
 
@@ -435,6 +477,30 @@ def export_command(
     target = load_model(TARGET, dtype=torch.bfloat16)
     written = export_head(build_dir / run, target.model, default_d2t(), out, target.name, build_dir)
     print(json.dumps({"out": str(written), "files": sorted(p.name for p in written.iterdir())}))
+
+
+@app.command("calibrate")
+def calibrate_command(
+    head_dir: Path = typer.Option(PACKAGE_EAGLE_DIR, help="the saved head to calibrate (its eagle_config.json is rewritten)"),
+    windows: int = typer.Option(48, min=1, help="windows of the held-out reference topics"),
+    window_len: int = typer.Option(128, min=8, help="tokens per window"),
+    gamma: int = typer.Option(4, min=1, help="chain length the acceptance length is computed at"),
+    dtype: str = typer.Option("gguf", help="the target's runtime: the one that serves (gguf) by default"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Fit the head's sample_temperature: the value whose sampled drafts the target accepts most at temperature 1 on
+    held-out text (teacher-forced), written to the head's config. Exact for any value."""
+    from specgate.models import load_model
+
+    target = load_model(TARGET, dtype=dtype)
+    head = eagle.load_head(head_dir, target)
+    rows = reference_windows(target.tokenizer, windows, window_len, seed)
+    with _progress(Console(stderr=True)) as progress:
+        task = progress.add_task("calibrate", total=windows, info="")
+        result = calibrate(head, target.model, rows, gamma, on_row=lambda: progress.advance(task))
+    write_calibration(head_dir, result, f"{windows} windows of {window_len} tokens of the held-out reference topics (seed {seed}), "
+                                        f"target runtime {dtype}")
+    print(json.dumps({k: result[k] for k in ("chosen", "temperatures", "acceptance_length")}))
 
 
 if __name__ == "__main__":
