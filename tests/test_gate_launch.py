@@ -164,3 +164,24 @@ def test_llamacpp_profiles_set_each_types_own_draft_length(monkeypatch, tmp_path
         launch.build_profiles(options("llama.cpp", ["eagle3:x"], target=str(gguf)))
     with pytest.raises(ValueError, match="serves a .gguf file"):
         launch.build_profiles(options("llama.cpp", ["ngram-simple"], target=str(tmp_path)))
+
+
+def test_the_gate_measures_the_weights_serve_loads_by_default(tmp_path):
+    """`specgate gate` and `specgate serve` share the --dtype default, and the gate's options resolve it as serve does
+    (for the embedded default: the GGUF's own blocks where the native kernels run), so a gate run measures the
+    deployment a user starts; the servers it launches get the resolved name."""
+    import typer
+
+    from specgate.cli.main import app
+    from specgate.gate.runner import GateOptions, resolve_dtype
+    from specgate.models.dtypes import resolve_weights, weights_name
+
+    commands = typer.main.get_command(app).commands
+    defaults = {name: {p.name: p.default for p in commands[name].params} for name in ("gate", "serve")}
+    assert defaults["gate"]["dtype"] == defaults["serve"]["dtype"] == GateOptions(out=tmp_path).dtype == "auto"
+    served = weights_name(resolve_weights("auto", "gemma-3-270m"))
+    assert resolve_dtype("auto", "gemma-3-270m") == served and resolve_dtype("float32", "gemma-3-270m") == "float32"
+    chosen = launch.LaunchOptions(engine="specgate", target="gemma-3-270m", specs=["ngram"], gamma=4, max_num_seqs=2, max_seq_len=64,
+                                   dtype=resolve_dtype("auto", "gemma-3-270m"))
+    argv = launch.build_profiles(chosen)[0].argv(9)  # the baseline server
+    assert argv[argv.index("--dtype") + 1] == served

@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
         greedy_tokens: int = typer.Option(None, help="Tokens per prompt of the greedy concurrency-1 phase, compared for exact match (default 128; quick 64)."),
         adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive", help="specgate: also measure --policy adaptive on the best fixed draft."),
         recommend: bool = typer.Option(True, "--recommend/--no-recommend", help="Launch and measure the recommended configuration."),
-        dtype: str = typer.Option("float32", help="Target weights of the embedded servers and the scorer: auto (gguf for a .gguf target where the native kernels run), float32, bfloat16, gguf or int8."),
+        dtype: str = typer.Option("auto", help="Target weights of the embedded servers and the scorer: auto (as `specgate serve`: gguf for a .gguf target, the embedded default included, where the native kernels run), float32, bfloat16, gguf or int8."),
         lossy: str = typer.Option(None, help="Embedded mode: also measure a LOSSY twin of the first --draft configuration (--lossy typical or synthetic:R,...); it can never be GO."),
         endpoint: str = typer.Option(None, help="External mode: base URL of the speculative OpenAI-compatible server."),
         baseline_endpoint: str = typer.Option(None, help="External mode: base URL of the same model served without speculation."),

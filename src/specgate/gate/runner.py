@@ -42,7 +42,7 @@ class GateOptions:
     drafts: list[str] = field(default_factory=lambda: ["default", "ngram"])  # specgate: --draft (each at --policy fixed)
     gamma: int = 4
     gammas: list[int] = field(default_factory=list)  # every draft length to try (--gamma 2,4,8); [gamma] when empty
-    dtype: str = "float32"
+    dtype: str = "auto"  # what `specgate serve` loads the target in: the gate measures the deployment a user runs
     lossy: str | None = None  # embedded: add one LOSSY configuration (ngram drafts, --lossy SPEC) to the comparison
     engine: str | None = None  # the engine to launch (default specgate) or behind --endpoint (default: read from its answers)
     specs: list[str] = field(default_factory=list)  # --spec: the engine's speculative methods (default per engine)
