@@ -4,6 +4,7 @@ the p / q pairing on a tiny Gemma-3 with the echo head, and the table's verdict.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -78,6 +79,9 @@ def test_root_distributions_pair_each_first_draft_with_the_next_target_distribut
         assert all(int(q[r, :-1].argmax()) == int(top[r - 1]) for r in rows)
         start += n - 2
     assert greedy_top_k(q, top, 2)[1] >= greedy_top_k(q, top, 2)[0]
+    head.config = dataclasses.replace(head.config, sample_temperature=0.5)  # q as the drafter draws it: softmax(z / 0.5) ∝ q^2
+    _, sharpened, _ = root_distributions(target, head, texts, temperature=1.0)
+    torch.testing.assert_close(sharpened, q**2 / (q**2).sum(-1, keepdim=True), atol=1e-5, rtol=1e-4)
 
 
 def test_the_table_says_a_draft_clears_the_cost_only_past_a_verified_tokens_forward_cost():

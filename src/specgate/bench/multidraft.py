@@ -38,11 +38,13 @@ def on_draft_columns(p: Tensor, d2t: Tensor) -> Tensor:
 @torch.no_grad()
 def root_distributions(target: Any, head: Any, texts: list[str], temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """Over every position of each text that has a first draft: p and q on the head's columns `# [N, V_d + 1]`
-    (q's bucket 0) at `temperature` (> 0), and the target's argmax's draft column, -1 outside d2t `# [N]`."""
+    (q's bucket 0) at `temperature` (> 0; q also at the head's sample_temperature, as drafts are drawn), and the
+    target's argmax's draft column, -1 outside d2t `# [N]`."""
     model = target.model
     column = torch.full((model.vocab_size,), -1, dtype=torch.int64)
     column[head.d2t] = torch.arange(head.d2t.numel())
     ps, qs, tops = [], [], []
+    sharpen = float(head.config.sample_temperature)  # as the drafter samples (EagleConfig)
     for text in texts:
         ids = target.tokenizer(text, return_tensors="pt")["input_ids"]  # [1, T]
         length = ids.shape[1]
@@ -55,7 +57,7 @@ def root_distributions(target: Any, head: Any, texts: list[str], temperature: fl
         draft_logits = head.unrolled(ids[:, 1 : length - 1], features[:, : length - 2], 1)[0][0][0].float()  # [T-2, V_d]
         target_logits = logits[0, 1 : length - 1].float()  # [T-2, V_t]
         ps.append(on_draft_columns(torch.softmax(target_logits / temperature, -1), head.d2t))
-        qs.append(torch.nn.functional.pad(torch.softmax(draft_logits / temperature, -1), (0, 1)))
+        qs.append(torch.nn.functional.pad(torch.softmax(draft_logits / (temperature * sharpen), -1), (0, 1)))
         tops.append(column[target_logits.argmax(-1)])
     if not ps:
         raise ValueError("no text has 3 or more tokens: give held-out texts long enough to draft after")
