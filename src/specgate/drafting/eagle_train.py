@@ -485,21 +485,23 @@ def calibrate_command(
     windows: int = typer.Option(48, min=1, help="windows of the held-out reference topics"),
     window_len: int = typer.Option(128, min=8, help="tokens per window"),
     gamma: int = typer.Option(4, min=1, help="chain length the acceptance length is computed at"),
-    dtype: str = typer.Option("gguf", help="the target's runtime: the one that serves (gguf) by default"),
+    dtype: str = typer.Option("auto", help="the target's weights, as `specgate serve --dtype` takes them (auto: what serve loads)"),
     seed: int = typer.Option(0),
 ) -> None:
     """Fit the head's sample_temperature: the value whose sampled drafts the target accepts most at temperature 1 on
     held-out text (teacher-forced), written to the head's config. Exact for any value."""
     from specgate.models import load_model
+    from specgate.models.dtypes import resolve_weights, weights_name
 
-    target = load_model(TARGET, dtype=dtype)
+    weights = resolve_weights(dtype, TARGET)  # the runtime whose p the drafts are accepted against
+    target = load_model(TARGET, dtype=weights)
     head = eagle.load_head(head_dir, target)
     rows = reference_windows(target.tokenizer, windows, window_len, seed)
     with _progress(Console(stderr=True)) as progress:
         task = progress.add_task("calibrate", total=windows, info="")
         result = calibrate(head, target.model, rows, gamma, on_row=lambda: progress.advance(task))
     write_calibration(head_dir, result, f"{windows} windows of {window_len} tokens of the held-out reference topics (seed {seed}), "
-                                        f"target runtime {dtype}")
+                                        f"target runtime {weights_name(weights)}")
     print(json.dumps({k: result[k] for k in ("chosen", "temperatures", "acceptance_length")}))
 
 
