@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# The main job on the embedded default: `specgate gate --quick` measures Gemma-3-270M with its default draft (or,
-# until that is trained, says so and goes on) and with n-gram drafts against the target alone, then prints the
-# GO / NO-GO verdict and the report's path (out/gate/report.html). Exit 0 whatever the verdict.
+# The main job on the embedded default: `specgate gate --quick` measures Gemma-3-270M with its default draft against the
+# target alone in paired rounds, then prints the verdict (GO / NO-GO / INCONCLUSIVE) and the report's path
+# (out/gate/report.html). Exit 0 whatever the verdict.
 demo: $(STAMP)
 	$(VENV)/bin/specgate gate --quick --out out/gate
 

@@ -1,241 +1,250 @@
-"""The gate's decision on synthetic measurements: each criterion passes on a good run and can fail on its own."""
+"""The gate's decision on synthetic paired rounds: the one accounting by hand, each criterion failing alone, undecided
+criteria making the verdict INCONCLUSIVE, the lesson's rule per load, the recommendation, and the quality tests."""
 
 from __future__ import annotations
 
 import copy
+import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from specgate.gate import client, decision, quality
+from specgate.gate import decision, prom, quality
+from specgate.gate.options import GateOptions
+from specgate.gate.records import ConfigRun, SampleScore
+from specgate.gate.rounds import Window
+from specgate.gate.stats import State
 from specgate.gate.workload import MathItem
 
+BLOCKS = 6
 
-def level(n: int, tps: float, ttft: float, itl: float, decode_s: float, tokens: int, requests: int, accepted: float = 0.0, drafts: float = 0.0, draft_len: float = 4.0) -> dict:
+
+def window(config: str, load: str, block: int, tps: float, tpot: float, counts: tuple[float, float, float, float] | None = None,
+           stage: str = "confirm") -> Window:
+    """A round: `tps` output tokens/s, `tpot` s per token, counters (drafts, draft tokens, accepted, generated)."""
     spec = None
-    if drafts:
-        spec = {"num_accepted_tokens": accepted, "num_drafts": drafts, "acceptance_length": 1 + accepted / drafts, "mean_draft_len": draft_len}
-    return {"concurrency": n, "output_tokens_per_s": tps, "ttft_p95_s": ttft, "itl_p95_s": itl, "decode_s_sum": decode_s,
-            "output_tokens": tokens, "ok": requests, "spec": spec}
+    if counts is not None:
+        d, g, a, t = counts
+        spec = prom.SpecWindow("specgate", d, g, a, [], generation_tokens=t)
+    rng = np.random.default_rng(block)
+    return Window(config, load, block, 5.0, tps * 5.0, 0.1, 6.0, 20, 0, spec, qps=3.0 if load == "poisson" else None,
+                  ttft_s=list(0.1 + 0.01 * rng.random(20)), e2e_s=list(0.5 + 0.01 * rng.random(20)),
+                  itl_s=[list(tpot * (1 + 0.05 * rng.random(10))) for _ in range(20)], decode_s=tpot * 400, decode_tokens=400,
+                  chunk_gap_p50_s=tpot, stage=stage)
 
 
-def good_run() -> tuple[dict, dict, dict, decision.Thresholds]:
-    # baseline: 1000 tokens over 10 requests, 990 steps of 50 ms; speculation: AL 2.5 and steps of 60 ms
-    baseline = {"name": "baseline", "gamma": 0, "sweep": [level(1, 20.0, 0.1, 0.05, 49.5, 1000, 10), level(4, 60.0, 0.2, 0.07, 69.3, 1000, 10)],
-                "memory": {"peak_rss_mib": 1000.0, "mem_total_mib": 24000.0, "preemptions": 0.0}}
-    spec = {"name": "ngram", "draft": "ngram", "gamma": 4,
-            "sweep": [level(1, 40.0, 0.1, 0.025, 23.4, 1000, 10, accepted=600, drafts=400), level(4, 90.0, 0.21, 0.05, 35.1, 1000, 10, accepted=600, drafts=400)],
-            "memory": {"peak_rss_mib": 1100.0, "mem_total_mib": 24000.0, "preemptions": 0.0}}
-    q = {"greedy": {"pairs": 8, "matches": 8, "rate": 1.0, "mismatches": []},
-         "math": {"delta": 0.0, "delta_ci95": (-0.1, 0.1), "within_noise": True, "speculative_em": 0.5, "baseline_em": 0.5, "mcnemar_p": 1.0},
-         "loglik": {"pairs": 8, "p_value": 0.6, "significance": 0.01, "flagged": False, "speculative_mean": -2.0, "baseline_mean": -2.0}}
-    return baseline, spec, q, decision.Thresholds(target_concurrency=4)
+def jitter(block: int, size: float = 0.01) -> float:
+    return 1.0 + size * ((-1) ** block) * (1 + block % 3) / 3
 
 
-def verdict_of(baseline, spec, q, t):
-    verdict, criteria = decision.decide(baseline, spec, q, t)
-    return verdict, {c.name: c for c in criteria}
+LOADS = ("c1", "c4", "poisson")
+COUNTS = (100.0, 400.0, 200.0, 600.0)  # D drafts, G draft tokens, A accepted, T generated: AL 3, g 4, 1.5 tokens per step
 
 
-def test_a_good_run_is_go_with_every_criterion_reported():
-    verdict, by_name = verdict_of(*good_run())
-    assert set(by_name) == set(decision.CRITERIA)
-    assert verdict == "GO", [c.reason for c in by_name.values() if not c.passed]
-    for c in by_name.values():
-        assert set(c.to_dict()) == {"name", "value", "threshold", "pass", "reason", "binding"}
+def good_pair(ratio: dict[str, float] | None = None, tpot_ratio: dict[str, float] | None = None) -> tuple[ConfigRun, ConfigRun]:
+    """A baseline and an n-gram configuration measured in BLOCKS paired rounds at c1, c4 and poisson."""
+    ratio = ratio or {"c1": 1.6, "c4": 1.2, "poisson": 1.0}
+    tpot_ratio = tpot_ratio or {"c1": 1.8, "c4": 1.25, "poisson": 1.2}
+    base = ConfigRun("baseline", "specgate", "none", 0, "off", draft="none")
+    spec = ConfigRun("ngram", "specgate", "ngram", 4, "fixed", draft="ngram")
+    for load in LOADS:
+        for b in range(BLOCKS):
+            base.windows.append(window("baseline", load, b, 100.0, 0.02, (0, 0, 0, 500)))
+            spec.windows.append(window("ngram", load, b, 100.0 * ratio[load] * jitter(b), 0.02 / tpot_ratio[load] / jitter(b, 0.02), COUNTS))
+    for run in (base, spec):
+        run.greedy = {f"p{i}": f"text {i}" for i in range(8)}
+        run.math_outputs = {str(i): str(i) for i in range(200)}
+        run.scores = {f"s{i}": SampleScore(-2.0 * 48, 48, float(np.random.default_rng(i + len(run.name)).normal(0, 0.05)) * 48) for i in range(64)}
+        run.memory = {"peak_rss_mib": 1000.0, "mem_total_mib": 24000.0, "preemptions": 0.0}
+    return base, spec
 
 
-def _break(name: str, run):
-    baseline, spec, q, t = run
-    if name == "acceptance_above_alpha_min":  # AL 1.05 at a step cost 1.2x: alpha far below alpha_min
-        for lv in spec["sweep"]:
-            lv["spec"].update(num_accepted_tokens=20, acceptance_length=1.05)
-            lv["decode_s_sum"] = lv["decode_s_sum"] * 3.0
+PLAN = SimpleNamespace(categories={f"p{i}": "code" for i in range(8)}, math_items=[MathItem(str(i), "q", str(i)) for i in range(200)])
+
+
+def options(**kw) -> GateOptions:
+    return GateOptions(concurrency=[1, 4], **kw)
+
+
+def decide(base: ConfigRun, spec: ConfigRun, o: GateOptions | None = None) -> decision.ConfigDecision:
+    o = o or options()
+    q = decision.quality_of(base, spec, PLAN, o, 1)
+    return decision.decide_config(base, spec, "confirm", list(LOADS), q, o, 0.95)
+
+
+def by_name(d: decision.ConfigDecision) -> dict[str, decision.Criterion]:
+    return {c.name: c for c in d.criteria}
+
+
+def test_a_good_run_is_go_and_every_criterion_is_reported_with_its_state():
+    d = decide(*good_pair())
+    assert [c.name for c in d.criteria] == list(decision.CRITERIA)
+    assert d.verdict == "GO", [(c.name, c.state, c.reason) for c in d.criteria if c.state != State.PASS]
+    c4 = d.load("c4")
+    assert c4.throughput_ratio.low > 1.0 and c4.verdict == "GO" and c4.recommended_gamma == 4
+    assert by_name(d)["throughput_under_poisson"].state == State.PASS  # 1.0 within a 3% margin
+    assert "C=4" in by_name(d)["acceptance_above_alpha_min"].reason
+
+
+def test_the_one_accounting_by_hand():
+    """Per round D=100 drafts of G=400 tokens, A=200 accepted of T=600 generated: S = 400 steps, AL = 3, g = 4,
+    1.5 tokens per step; TPOT 0.02 s -> 0.016 s: r = 0.016 x 1.5 / 0.02 = 1.2, c = (r - 1) S / G = 0.2,
+    alpha solves E[T](alpha, 4) = 3, alpha_min solves E[T](alpha, 4) = 1 + 4 c = 1.8, predicted S = 1.5 / 1.2 = 1.25."""
+    base, spec = good_pair(tpot_ratio={"c1": 1.25, "c4": 1.25, "poisson": 1.25})
+    for w in spec.windows:  # no jitter: exact figures
+        w.decode_s, w.decode_tokens = 0.016 * 400, 400
+    a = decision.analyse_load(base, spec, "confirm", "c4", options(), 0.95).acceptance
+    assert a.al.estimate == pytest.approx(3.0) and a.draft_len == pytest.approx(4.0) and a.tokens_per_step.estimate == pytest.approx(1.5)
+    assert a.c.estimate == pytest.approx(0.2)
+    assert decision.expected_tokens(a.alpha.estimate, 4.0) == pytest.approx(3.0)
+    assert decision.expected_tokens(a.alpha_min.estimate, 4.0) == pytest.approx(1.8)
+    assert a.ar.estimate == pytest.approx(0.5) and a.drafts_per_step == pytest.approx(1.0)
+    analysis = decision.analyse_load(base, spec, "confirm", "c4", options(), 0.95)
+    assert analysis.decode_speedup.estimate == pytest.approx(1.25)  # = tokens per step / r: alpha > alpha_min exactly when > 1
+
+
+def test_negative_cost_reads_as_noise_around_zero_and_alpha_min_is_zero():
+    assert decision.alpha_min_at(4.0, -0.01) == 0.0 and decision.alpha_min_at(4.0, 1.5) is None
+    base, spec = good_pair(tpot_ratio={"c1": 2.0, "c4": 1.5, "poisson": 1.5})  # a step with drafts costs what the baseline's does
+    d = decide(base, spec)
+    c = d.load("c4").acceptance.c
+    assert c.low < 0 < c.high and d.load("c4").acceptance.alpha_min.low == 0.0  # not clipped: an interval around 0
+    assert "within noise of zero" in by_name(d)["acceptance_above_alpha_min"].reason
+
+
+def _break(name: str, base: ConfigRun, spec: ConfigRun, o: GateOptions) -> None:
+    """Make exactly criterion `name` fail."""
+    if name == "acceptance_above_alpha_min":  # decode slower (TPOT up) while throughput holds within the margin
+        for w in spec.windows:
+            if w.load == "c4":
+                w.decode_s, w.tokens = w.decode_s * 2.0, 100.0 * 5.0 * jitter(w.block, 0.002)
     elif name == "throughput_at_target_concurrency":
-        spec["sweep"][1]["output_tokens_per_s"] = 50.0
+        for w in spec.windows:
+            if w.load == "c4":
+                w.tokens = 70.0 * 5.0 * jitter(w.block)
+    elif name == "throughput_under_poisson":
+        for w in spec.windows:
+            if w.load == "poisson":
+                w.tokens = 80.0 * 5.0 * jitter(w.block)
     elif name == "ttft_p95_at_target_concurrency":
-        spec["sweep"][1]["ttft_p95_s"] = 0.25  # > 0.2 * 1.1
+        for w in spec.windows:
+            if w.load == "c4":
+                w.ttft_s = [t * 2.0 for t in w.ttft_s]
     elif name == "itl_p95_at_target_concurrency":
-        spec["sweep"][1]["itl_p95_s"] = 0.07  # equal is not better
+        for w in spec.windows:
+            if w.load == "c4":
+                w.itl_s = [[x * 3.0 for x in r] for r in w.itl_s]
     elif name == "memory_headroom":
-        spec["memory"]["peak_rss_mib"] = 23000.0
+        spec.memory["peak_rss_mib"] = 23000.0
     elif name == "greedy_exact_match":
-        q["greedy"].update(matches=7, rate=7 / 8, mismatches=[{"prompt_id": "x"}])
-    elif name == "math_exact_match_delta":
-        q["math"].update(delta=-0.3, delta_ci95=(-0.5, -0.1), within_noise=False)
-    elif name == "sampled_loglik_shift":
-        q["loglik"].update(p_value=1e-5, flagged=True)
+        spec.greedy["p0"] = "something else"
+    elif name == "math_exact_match":
+        spec.math_outputs = {str(i): ("x" if i < 60 else str(i)) for i in range(200)}
+    elif name == "sampled_loglik_equivalence":
+        spec.scores = {k: SampleScore(v.logprob_sum, v.tokens, v.centered_sum + 0.8 * v.tokens) for k, v in spec.scores.items()}
     elif name == "lossless":
-        spec["lossy"] = "typical"
+        spec.lossy = "typical"
     elif name == "completed":
-        spec["failure"] = "server process 123 killed by signal 9 during phase 'c4'"
-    return baseline, spec, q, t
+        spec.failure = "server process 123 killed by signal 9 during paired round 3 at c4"
 
 
 @pytest.mark.parametrize("name", decision.CRITERIA)
 def test_each_criterion_fails_alone(name):
-    """A binding criterion failing alone makes NO-GO; a target (TTFT, ITL, memory) fails alone and stays a
-    reported target, until the user makes it binding with --require."""
-    verdict, by_name = verdict_of(*_break(name, copy.deepcopy(good_run())))
-    assert [n for n, c in by_name.items() if not c.passed] == [name]
+    """A binding criterion failing alone makes NO-GO; a target (TTFT, ITL, memory) fails alone and stays a reported
+    target until --require makes it binding."""
+    base, spec = good_pair()
+    o = options()
+    _break(name, base, spec, o)
+    d = decide(base, spec, o)
+    failing = [c.name for c in d.criteria if c.state == State.FAIL]
+    assert failing == [name], [(c.name, c.state, c.reason) for c in d.criteria if c.state != State.PASS]
     target = {v: k for k, v in decision.TARGETS.items()}.get(name)
-    assert verdict == ("GO" if target else "NO-GO")
-    assert by_name[name].binding is (target is None)
-    assert verdict == ("GO" if all(c.passed for c in by_name.values() if c.binding) else "NO-GO")  # the rule itself
+    assert d.verdict == ("GO" if target else "NO-GO")
     if target:
-        baseline, spec, q, t = _break(name, copy.deepcopy(good_run()))
-        t.require = (target,)
-        verdict, by_name = verdict_of(baseline, spec, q, t)
-        assert verdict == "NO-GO" and by_name[name].binding
+        assert decide(base, spec, options(require=[target])).verdict == "NO-GO"
 
 
-def test_require_names_only_targets():
-    with pytest.raises(ValueError, match="--require speed is not a target"):
-        decision.Thresholds(require=("speed",)).validate()
+def test_a_straddling_interval_is_undecided_the_verdict_inconclusive_and_the_report_says_what_would_decide_it():
+    base, spec = good_pair(ratio={"c1": 1.6, "c4": 0.99, "poisson": 1.0}, tpot_ratio={"c1": 1.8, "c4": 1.25, "poisson": 1.2})
+    for w in spec.windows:
+        if w.load == "c4":
+            w.tokens *= 1.0 + 0.06 * (-1) ** w.block  # +-6% between rounds: the interval straddles 0.97
+    d = decide(base, spec)
+    throughput = by_name(d)["throughput_at_target_concurrency"]
+    assert throughput.state == State.UNDECIDED and d.verdict == "INCONCLUSIVE"
+    assert throughput.interval.low < 0.97 < throughput.interval.high and "paired rounds in all" in throughput.needed
+    assert not decision.rounds_decided(d, options())
+
+
+def test_a_schedule_off_at_the_target_is_judged_on_non_inferiority_alone():
+    base, spec = good_pair(ratio={"c1": 1.6, "c4": 1.0, "poisson": 1.0}, tpot_ratio={"c1": 1.8, "c4": 1.0, "poisson": 1.0})
+    spec.policy, spec.gamma_table = "table", "1-1:4,2-64:0"
+    for w in spec.windows:
+        if w.load == "c4":
+            w.spec = prom.SpecWindow("specgate", 0, 0, 0, [], generation_tokens=500)
+    d = decide(base, spec)
+    acceptance = by_name(d)["acceptance_above_alpha_min"]
+    assert acceptance.state == State.NA and "not speculating at C=4" in acceptance.reason
+    assert d.load("c1").verdict == "GO" and d.load("c4").verdict == "GO" and d.verdict == "GO"
+    assert decision.schedule_table(d, 8)[:2] == [[1, 1, 4], [2, 4, 0]]
+
+
+def test_the_recommendation_is_chosen_on_intervals():
+    base, sure = good_pair(ratio={"c1": 1.6, "c4": 1.15, "poisson": 1.0})
+    _, lucky = good_pair(ratio={"c1": 1.6, "c4": 1.25, "poisson": 1.0})
+    lucky.name, lucky.draft, lucky.spec = "model", "/m", "/m"
+    for w in lucky.windows:
+        if w.load == "c4":
+            w.tokens *= 1.0 + 0.3 * (-1) ** w.block  # a higher estimate, a much wider interval
+    decisions = {"ngram": decide(base, sure), "model": decide(base, lucky)}
+    runs = {"baseline": base, "ngram": sure, "model": lucky}
+    advice = decision.choose(decisions, runs, options())
+    assert advice.kind == "config" and advice.based_on == "ngram" and "highest lower bound" in advice.reason
+    _, loses = good_pair(ratio={"c1": 1.6, "c4": 0.8, "poisson": 1.0}, tpot_ratio={"c1": 1.8, "c4": 0.8, "poisson": 0.9})
+    decisions = {"ngram": decide(base, loses)}
+    advice = decision.choose(decisions, {"baseline": base, "ngram": loses}, options())
+    assert advice.kind == "schedule" and advice.gamma_table.startswith("1-1:4,2-4:0") and "paid at c1" in advice.reason
+    loses.greedy["p0"] = "changed"
+    decisions = {"ngram": decide(base, loses)}
+    assert decision.choose(decisions, {"baseline": base, "ngram": loses}, options()).kind == "off"
+
+
+def test_math_non_inferiority_rules_out_a_margin_only_with_enough_items():
+    items = [MathItem(str(i), "q", str(i)) for i in range(200)]
+    same = {str(i): str(i) for i in range(200)}
+    assert quality.math_noninferiority(items, same, same, 0.05)["state"] == State.PASS
+    few = quality.math_noninferiority(items[:20], same, same, 0.05)
+    assert few["state"] == State.UNDECIDED and few["detectable"] > 0.15  # 20 agreeing items cannot rule out 5 points
+    worse = quality.math_noninferiority(items, same, {**same, **{str(i): "x" for i in range(40)}}, 0.05)
+    assert worse["state"] == State.FAIL and worse["discordant"]["baseline_right"] == 40
+
+
+def test_loglik_equivalence_passes_a_null_shift_and_fails_a_lossy_one():
+    rng = np.random.default_rng(3)
+    base = {f"s{i}": SampleScore(-100.0, 50, float(rng.normal(0, 0.3)) * 50) for i in range(64)}
+    same = {k: SampleScore(v.logprob_sum, 50, float(rng.normal(0, 0.3)) * 50) for k, v in base.items()}
+    assert quality.loglik_equivalence(base, same, 0.3)["state"] == State.PASS
+    shifted = {k: SampleScore(v.logprob_sum, 50, v.centered_sum + 0.8 * 50) for k, v in same.items()}
+    assert quality.loglik_equivalence(base, shifted, 0.3)["state"] == State.FAIL
+    few = dict(list(same.items())[:3])
+    assert quality.loglik_equivalence(base, few, 0.3)["state"] == State.UNDECIDED
 
 
 def test_another_engine_is_lossless_only_when_exact_match_and_loglik_pass():
-    baseline, spec, q, t = good_run()
-    spec["engine"] = "llama.cpp"
-    verdict, by_name = verdict_of(baseline, spec, q, t)
-    assert verdict == "GO" and by_name["lossless"].value is True and "inferred" in by_name["lossless"].reason
-    q["greedy"].update(matches=7, rate=7 / 8, mismatches=[{"prompt_id": "x"}])
-    verdict, by_name = verdict_of(baseline, spec, q, t)
-    assert by_name["lossless"].value == "unknown" and not by_name["lossless"].passed and "greedy exact match" in by_name["lossless"].reason
-    q["greedy"].update(matches=8, rate=1.0, mismatches=[])
-    q["loglik"] = {"reason": "not scored"}  # no log-likelihood test: not proven, so unknown
-    assert verdict_of(baseline, spec, q, t)[1]["lossless"].value == "unknown"
-    spec["engine"] = "specgate"  # our verifier is proven exact by check-lossless: lossless without the inference
-    assert verdict_of(baseline, spec, q, t)[1]["lossless"].passed
+    base, spec = good_pair()
+    spec.engine = "llama.cpp"
+    assert "inferred" in by_name(decide(base, spec))["lossless"].reason
+    spec.greedy["p0"] = "different"
+    lossless = by_name(decide(base, spec))["lossless"]
+    assert lossless.state == State.FAIL and "greedy exact match" in lossless.reason
+    spec.engine = "specgate"  # our verifier is proven exact by check-lossless
+    assert by_name(decide(base, spec))["lossless"].state == State.PASS
 
 
-def test_preemptions_beyond_the_baseline_fail_memory_and_missing_levels_fail_loudly():
-    baseline, spec, q, t = good_run()
-    spec["memory"]["preemptions"] = 3.0
-    assert not verdict_of(baseline, spec, q, t)[1]["memory_headroom"].passed
-    t.target_concurrency = 8  # never measured
-    by_name = verdict_of(*good_run()[:3], t)[1]
-    assert not by_name["throughput_at_target_concurrency"].passed and "not measured" in by_name["throughput_at_target_concurrency"].reason
-
-
-def _bisect(f, lo: float = 0.0, hi: float = 1.0 - 1e-12) -> float:
-    """The root of an increasing f on [lo, hi] (the test's own solver, independent of the code's brentq)."""
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
-    return (lo + hi) / 2
-
-
-def _expected_tokens(a: float, g: int) -> float:
-    return sum(a**i for i in range(g + 1))  # 1 + a + ... + a^g = (1 - a^(g+1)) / (1 - a)
-
-
-def test_analysis_agrees_with_closed_forms_for_alpha_c_speedup_and_alpha_min():
-    baseline, spec, _, _ = good_run()
-    a = decision.analyse(baseline, spec, gamma_max=8)
-    row = a["per_concurrency"][0]
-    assert row["alpha"] == pytest.approx(_bisect(lambda x: _expected_tokens(x, 4) - 2.5), abs=1e-9)  # AL 2.5 = E[T]
-    # steps: baseline 49.5 / 990 = 50 ms; speculation 23.4 / (1000 - 600 - 10) = 60 ms -> c = (1.2 - 1) / 4
-    assert row["c"] == pytest.approx(0.05)
-    assert row["predicted_speedup"] == pytest.approx(2.5 / (4 * 0.05 + 1))  # S = E[T] / (g c + 1)
-    assert row["measured_speedup"] == pytest.approx(2.0)
-    assert a["alpha_min"] == pytest.approx(_bisect(lambda x: _expected_tokens(x, 4) - (4 * 0.05 + 1)), abs=1e-6)  # S(alpha_min) = 1
-    assert a["paying_range"] == [1, 4] and all(r["recommended_gamma"] >= 1 for r in a["per_concurrency"])
-    s = decision.schedule_exports(a, "ngram", max_num_seqs=8)
-    ranges = s["vllm_speculative_config"]["num_speculative_tokens_per_batch_size"]
-    assert ranges[0][:2] == [1, 1] and ranges[1][:2] == [2, 4] and ranges[-1] == [5, 8, 0]
-    assert s["tensorrt_llm"]["draft_len_schedule"]["8"] == 0 and "--speculative-num-steps" in s["sglang_flags"]
-    assert s["specgate"].startswith("--policy table --gamma-table '1-1:")
-    head = decision.schedule_exports(a, "default", max_num_seqs=8, head=decision.is_specgate_head("default", "gemma-3-270m"))
-    assert head["vllm_speculative_config"] is None and head["sglang_flags"] == [] and head["tensorrt_llm"] is None
-    assert "not a checkpoint vLLM" in head["sglang_note"] and "eagle3:PATH" in head["sglang_note"] and head["specgate"] == s["specgate"]
-    assert decision.is_specgate_head("eagle:/x/head", None) and not decision.is_specgate_head("ngram", "gemma-3-270m")
-    assert not decision.is_specgate_head("default", "another-model") and not decision.is_specgate_head("/drafts/small", "gemma-3-270m")
-    spec["sweep"][1]["output_tokens_per_s"] = 50.0  # stops paying at 4 -> gamma 0 there
-    a = decision.analyse(baseline, spec)
-    assert a["paying_range"] == [1, 1] and a["per_concurrency"][1]["recommended_gamma"] == 0
-
-
-def test_alpha_uses_the_engines_measured_draft_length():
-    """An engine whose drafts run longer than the configured gamma (llama.cpp's ngram-simple drafts its m-gram,
-    48 tokens by default, whatever --spec-draft-n-max says): alpha solves E[T](alpha, measured g) = AL."""
-    baseline, spec, _, _ = good_run()
-    for lv in spec["sweep"]:  # 5 drafts, 122 draft tokens, 34 accepted: g = 24.4 -> 24, AL = 1 + 34 / 5
-        lv["spec"].update(num_drafts=5, num_draft_tokens=122, num_accepted_tokens=34, acceptance_length=1 + 34 / 5, mean_draft_len=24.4)
-    row = decision.analyse(baseline, spec)["per_concurrency"][0]
-    assert row["gamma"] == 24
-    assert row["alpha"] == pytest.approx(_bisect(lambda x: _expected_tokens(x, 24) - (1 + 34 / 5)), abs=1e-9)
-
-
-def test_itl_is_apportioned_per_token_and_tpot_defined():
-    assert client.apportion(7, [3, 3, 6]) == [2, 2, 3]
-    assert sum(client.apportion(10, [1, 5, 1, 1])) == 10
-    # chunks at 0.1 s (1 token), 0.3 s (2 tokens), 0.4 s (1 token): ITL samples 0.1, 0.1, 0.1
-    assert client.token_latencies([0.1, 0.3, 0.4], [4, 8, 4], 4) == pytest.approx([0.1, 0.1, 0.1])
-
-
-def test_math_pairing_bootstrap_and_loglik_test_flag_a_shift_and_only_a_shift():
-    items = [MathItem(str(i), f"What is {i} + 1?", str(i + 1)) for i in range(40)]
-    right = {str(i): f" {i + 1}" for i in range(40)}
-    half = {str(i): (f" {i + 1}" if i % 2 else " 0") for i in range(40)}
-    same = quality.paired_math(items, right, right)
-    assert same["delta"] == 0.0 and same["within_noise"] and same["baseline_em"] == 1.0
-    worse = quality.paired_math(items, right, half)
-    assert worse["delta"] == pytest.approx(-0.5) and not worse["within_noise"] and worse["mcnemar_p"] < 1e-4
-    rng = np.random.default_rng(0)
-    base = {str(i): (float(rng.normal(-2.0, 0.3)) * 20, 20) for i in range(24)}
-    null = {str(i): (float(rng.normal(-2.0, 0.3)) * 20, 20) for i in range(24)}
-    shifted = {str(i): (float(rng.normal(-1.2, 0.3)) * 20, 20) for i in range(24)}
-    assert not quality.loglik_two_sample(base, null).flagged
-    flagged = quality.loglik_two_sample(base, shifted)
-    assert flagged.flagged and flagged.p_value < 0.01 and flagged.speculative_perplexity < flagged.baseline_perplexity
-
-
-def test_greedy_mismatches_are_listed_with_positions_and_both_continuations():
-    g = quality.greedy_exact_match({"a": "hello world", "b": "same"}, {"a": "hello there", "b": "same"}, {"a": "prose"})
-    m = g["mismatches"][0]
-    assert g["rate"] == 0.5 and m["first_diff_char"] == 6 and m["category"] == "prose"
-    assert (m["context"], m["baseline"], m["speculative"]) == ("hello ", "world", "there")
-
-    class Words:  # a word-level tokenizer: the first differing token is the second word
-        def encode(self, text, add_special_tokens=False):
-            return [hash(w) for w in text.split(" ")]
-
-    quality.add_token_positions(g, {"a": "hello world"}, {"a": "hello there"}, Words())
-    assert m["first_diff_token"] == 1
-
-
-def test_thresholds_reject_bad_values():
-    with pytest.raises(ValueError, match="--memory-headroom"):
-        decision.Thresholds(memory_headroom=1.5).validate()
-    with pytest.raises(ValueError, match="--target-concurrency"):
-        decision.Thresholds(target_concurrency=0).validate()
-
-
-@pytest.mark.parametrize("kind, source_tps, source_verdict, expected", [
-    ("schedule", 40.0, "GO", "recommended"),  # the schedule ran faster: it is the advice
-    ("schedule", 60.0, "GO", "default"),  # the configuration it came from ran faster: what ran is the advice
-    ("schedule", 60.0, "NO-GO", "recommended"),  # faster but NO-GO: a GO schedule stays
-    ("config", 60.0, "GO", "recommended"),  # a configuration launched again as it ran: its second run is the verdict
-])
-def test_a_schedule_that_measured_worse_than_its_source_gives_way_to_it(kind, source_tps, source_verdict, expected):
-    from specgate.gate.recommend import Advice
-    from specgate.gate.report import _recommendation
-
-    def result(tps: float) -> dict:
-        return {"engine": "specgate", "command": f"serve {tps}", "sweep": [{"concurrency": 1, "output_tokens_per_s": tps}]}
-
-    def config(verdict: str, ratio: float) -> dict:
-        return {"verdict": verdict, "analysis": {"per_concurrency": [{"concurrency": 1, "measured_speedup": ratio}]}}
-
-    results = {"recommended": result(50.0), "default": result(source_tps)}
-    configs = {"recommended": config("GO", 1.4), "default": config(source_verdict, 1.6)}
-    advice = Advice(kind, "default", "default passed every binding criterion")
-    rec = _recommendation(advice, configs, results, {"engine": "specgate"}, 1, "recommended")
-    assert rec["config"] == expected and rec["based_on"] == "default" and rec["measured"]
-    assert rec["verdict"] == configs[expected]["verdict"] and rec["command"] == results[expected]["command"]
-    assert rec["throughput_ratio"] == {"1": configs[expected]["analysis"]["per_concurrency"][0]["measured_speedup"]}
-    if expected == "default":
-        assert rec["kind"] == "config" and "ran 50 tok/s against 60 for `default` at concurrency 1" in rec["reason"]
-    else:
-        assert rec["kind"] == kind and rec["reason"] == advice.reason
+def test_the_verdict_rule():
+    c = lambda state, binding=True: decision.Criterion("x", state, "", binding)  # noqa: E731
+    assert decision.verdict_of([c(State.PASS), c(State.NA)]) == "GO"
+    assert decision.verdict_of([c(State.PASS), c(State.UNDECIDED)]) == "INCONCLUSIVE"
+    assert decision.verdict_of([c(State.UNDECIDED), c(State.FAIL)]) == "NO-GO"
+    assert decision.verdict_of([c(State.PASS), c(State.FAIL, binding=False)]) == "GO"

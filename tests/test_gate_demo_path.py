@@ -1,7 +1,7 @@
 """`specgate gate --quick`'s default-draft path, end to end on a tiny Gemma-3 target.
 
-`--quick` measures `--draft default` and `--draft ngram` against the baseline. Two gate runs, side by side, each
-starting real `specgate serve` subprocesses:
+`--quick` measures `--draft default` against the baseline (and `--draft ngram` in its place where the target has no
+default draft). Two gate runs, side by side, each starting real `specgate serve` subprocesses:
 - registered: `python -m specgate gate --quick --draft default --json` where a tiny recipe-format draft
   (specgate.drafting.distill's writer) is the target's entry in specgate.drafting.registry.DEFAULT_DRAFTS, in the
   gate and in every server it starts: a sitecustomize.py on PYTHONPATH adds the entries of
@@ -10,11 +10,9 @@ starting real `specgate serve` subprocesses:
   acceptance from the server's counters, and be lossless.
 - unregistered: the same weights under a name with no entry, with --quick's own drafts, run in this process
   (run_gate on GateOptions.quick, as the CLI builds it). The report must carry the note naming the missing default
-  draft, and the gate must go on with the baseline and the n-gram draft.
-In both, each configuration's verdict is GO iff every binding criterion passes, and the headline verdict is the
-recommendation's. The options are `--quick` cut down to a few requests per phase (as tests/test_gate_e2e.py's SMALL),
-without the adaptive and recommended extra servers (tests/test_gate_e2e.py measures those): each server start
-costs ~10 s on 2 cores."""
+  draft, and the gate must go on with the baseline and the n-gram draft in its place.
+In both, each verdict is the rule over its own criteria, and the headline verdict is the recommendation's. The options
+are `--quick` cut down to a few requests per phase and short rounds (tests/test_gate_e2e.py measures more)."""
 
 from __future__ import annotations
 
@@ -33,14 +31,14 @@ from specgate.drafting import distill, registry
 from specgate.models import load_model
 
 from conftest import recipe_draft_info
+from gate_helpers import check_verdicts_follow_the_rule
 
 GAMMA = 4  # --quick's draft length
 GATE_TIMEOUT_S = 600
-SMALL = dict(concurrency=[1, 2], per_category=2, requests_per_level=4, poisson_requests=4, qps=20.0, max_tokens=12, greedy_tokens=24,
-             math_items=4, sample_prompts=8, adaptive=False, recommend=False)
-SMALL_ARGS = [*(arg for key, value in SMALL.items() if not isinstance(value, bool)
-                for arg in (f"--{key.replace('_', '-')}", ",".join(map(str, value)) if isinstance(value, list) else str(value))),
-              "--no-adaptive", "--no-recommend"]
+SMALL = dict(concurrency=[1, 2], per_category=2, max_tokens=12, greedy_tokens=24, math_items=8, sample_prompts=8, sample_tokens=8,
+             round_s=0.5, rounds=2, budget_s=6.0)
+SMALL_ARGS = [arg for key, value in SMALL.items()
+              for arg in (f"--{key.replace('_', '-')}", ",".join(map(str, value)) if isinstance(value, list) else str(value))]
 SHIM = '''import json, os
 _drafts = os.environ.get("SPECGATE_TEST_DEFAULT_DRAFTS")
 if _drafts:  # a test registers default drafts in every specgate subprocess
@@ -75,14 +73,13 @@ def finish_cli_gate(process: subprocess.Popen) -> tuple[dict, dict]:
 
 def run_quick_gate_here(target: Path, out: Path) -> dict:
     """The same gate in this process: GateOptions.quick with the SMALL options, as the CLI sets them."""
-    from specgate.gate.decision import Thresholds
-    from specgate.gate.runner import GateOptions, run_gate
+    from specgate.gate.options import GateOptions
+    from specgate.gate.runner import run_gate
 
     options = GateOptions.quick(out)
     options.target = str(target)
     for key, value in SMALL.items():
         setattr(options, key, value)
-    options.thresholds = Thresholds(target_concurrency=max(SMALL["concurrency"]))  # the CLI's default without 4 measured
     return run_gate(options)
 
 
@@ -112,39 +109,21 @@ def gate_runs(tiny_model_dir, tmp_path_factory):
     return {"registered": (*registered, with_default), "unregistered": (unregistered, without_default)}
 
 
-def check_verdicts_follow_the_rule(report: dict, summary: dict | None = None) -> None:
-    """GO iff every binding criterion passes, per configuration; the headline is the recommendation's verdict."""
-    assert report["configs"], "no speculative configuration was decided"
-    for name, config in report["configs"].items():
-        binding = [c for c in config["criteria"] if c["binding"]]
-        assert binding, name
-        assert config["verdict"] == ("GO" if all(c["pass"] for c in binding) else "NO-GO"), name
-    rec = report["recommendation"]
-    assert report["verdict"] == rec["verdict"]
-    if summary is not None:  # what the CLI prints is the report's
-        assert summary["configs"] == {name: c["verdict"] for name, c in report["configs"].items()}
-        assert summary["verdict"] == report["verdict"] and summary["notes"] == report["notes"]
-    if rec["config"] in report["configs"]:  # a measured recommendation: its own criteria decide
-        assert report["verdict"] == report["configs"][rec["config"]]["verdict"]
-        assert report["criteria"] == report["configs"][report["config"]]["criteria"]
-    else:
-        assert rec["config"] == "off" and report["verdict"] == "NO-GO"
-
-
 def test_quick_gate_measures_the_registered_default_draft(gate_runs):
     summary, report, target = gate_runs["registered"]
-    assert report["options"]["target"] == str(target) and report["options"]["drafts"] == ["default"] and report["options"]["gamma"] == GAMMA
-    assert set(report["configs"]) == {"default"} and set(report["measurements"]) == {"baseline", "default"}
+    assert report["options"]["target"] == str(target) and report["options"]["drafts"] == ["default"] and report["options"]["gammas"] == [GAMMA]
+    assert set(report["configs"]) - {"recommended"} == {"default"} and set(report["measurements"]) - {"recommended"} == {"baseline", "default"}
+    assert ("recommended" in report["configs"]) == (report["recommendation"]["kind"] == "schedule")  # only a schedule is launched again
     measured = report["measurements"]["default"]
     assert not measured.get("failure"), measured.get("failure")  # its server found the registered draft (else: it exits)
     assert measured["draft"] == "default" and "--draft default" in measured["command"]
-    assert [p["name"] for p in measured["phases"]][-1] == "sample"  # every phase ran
+    assert [p["name"] for p in measured["phases"]][-1] == "sample" and measured["windows"]  # every phase ran, then paired rounds
     assert measured["spec_total"]["flavour"] == "specgate" and measured["spec_total"]["num_draft_tokens"] > 0
     acceptance = report["configs"]["default"]["acceptance"]
     assert acceptance["source"] == "counters" and acceptance["ar"] == measured["spec_total"]["acceptance_rate"]
     assert 0.0 < acceptance["ar"] <= 1.0  # the target's own layer 0: some drafts survive
     assert len(acceptance["per_position"]) == GAMMA and all(0.0 <= r <= 1.0 for r in acceptance["per_position"])
-    greedy = report["quality"]["default"]["greedy"]
+    greedy = report["configs"]["default"]["quality"]["greedy"]
     assert greedy["pairs"] > 0 and greedy["rate"] == 1.0, greedy["mismatches"]  # lossless
     assert not any("default draft" in note for note in report["notes"]), report["notes"]
     log = (Path(report["options"]["out"]) / "server-default.log").read_text()
@@ -158,7 +137,8 @@ def test_quick_gate_without_a_default_draft_notes_it_and_goes_on(gate_runs):
     assert len(notes) == 1
     assert f"the default draft for {target} is unavailable" in notes[0]
     assert "not registered in specgate.drafting.registry.DEFAULT_DRAFTS" in notes[0] and "continuing without it" in notes[0]
-    assert report["options"]["drafts"] == ["default", "ngram"]  # --quick's own drafts
+    assert any("measuring --draft ngram in its place" in n for n in report["notes"])
+    assert report["options"]["drafts"] == ["default"]  # --quick's own draft
     assert "default" not in report["measurements"] and "default" not in report["configs"]
     assert not (Path(report["options"]["out"]) / "server-default.log").exists()  # never launched
     assert {"baseline", "ngram"} <= set(report["measurements"]) and "ngram" in report["configs"]
@@ -169,7 +149,8 @@ def test_quick_gate_without_a_default_draft_notes_it_and_goes_on(gate_runs):
 
 def test_a_registered_default_draft_without_weights_is_a_note_not_a_launch(tmp_path, monkeypatch):
     """The other unavailable case (registered, weights not built yet) is decided before any server starts."""
-    from specgate.gate.runner import GateOptions, _profiles, default_draft_unavailable
+    from specgate.gate.options import GateOptions
+    from specgate.gate.runner import _profiles, default_draft_unavailable
 
     target = tmp_path / "tiny-target"
     target.mkdir()
@@ -178,7 +159,7 @@ def test_a_registered_default_draft_without_weights_is_a_note_not_a_launch(tmp_p
     why = default_draft_unavailable(str(target))
     assert why == f"the default draft for {target} is unavailable (its weights are not at {missing} yet): continuing without it"
     notes: list[str] = []
-    profiles = _profiles(GateOptions(out=tmp_path / "out", target=str(target), drafts=["default", "ngram"]), notes)
+    profiles = _profiles(GateOptions(out=tmp_path / "out", target=str(target), drafts=["default", "ngram"], adaptive=False), notes)
     assert [p.name for p in profiles] == ["baseline", "ngram"] and notes == [why]
     missing.mkdir()
     (missing / "config.json").write_text("{}")

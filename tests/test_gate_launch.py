@@ -125,6 +125,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     (["--server-cmd", "srv --n {gamma}", "--baseline-cmd", "srv --port {port}"], "has no {port}"),
     (["--require", "speed"], "--require speed is not a target"),
     (["--gamma", "2,x"], "--gamma"),
+    (["--margin", "0.6"], "--margin 0.6 is out of range (0, 0.5)"),
+    (["--margin", "0"], "--margin 0.0 is out of range (0, 0.5)"),
+    (["--quick", "--budget-s", "5"], "--budget-s 5 is too small for one round"),
+    (["--rounds", "1"], "--rounds 1 must be >= 2"),
+    (["--spec", "table:ngram"], "a schedule is table:DRAFT:TABLE"),
 ])
 def test_gate_bad_launch_input_is_one_line_exit_2(args, message, tmp_path):
     done = _cli("gate", "--out", str(tmp_path), *args)
@@ -139,7 +144,7 @@ def test_a_gate_whose_server_exits_at_start_reports_the_failure(tmp_path):
     done = _cli("gate", "--server-cmd", dying, "--baseline-cmd", dying, "--no-score", "--quick", "--out", str(tmp_path), "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((Path(tmp_path) / "report.json").read_text())
-    assert report["verdict"] == "NO-GO" and report["recommendation"]["config"] == "off"
+    assert report["verdict"] == "NO-GO" and report["recommendation"]["config"] == "off" and report["config"] is None
     for name in ("baseline", "server-cmd"):
         assert "server did not start" in report["measurements"][name]["failure"] and "error: bad flag" in report["measurements"][name]["failure"]
 
@@ -173,12 +178,13 @@ def test_the_gate_measures_the_weights_serve_loads_by_default(tmp_path):
     import typer
 
     from specgate.cli.main import app
-    from specgate.gate.runner import GateOptions, resolve_dtype
+    from specgate.gate.options import GateOptions, resolve_dtype
     from specgate.models.dtypes import resolve_weights, weights_name
 
     commands = typer.main.get_command(app).commands
     defaults = {name: {p.name: p.default for p in commands[name].params} for name in ("gate", "serve")}
-    assert defaults["gate"]["dtype"] == defaults["serve"]["dtype"] == GateOptions(out=tmp_path).dtype == "auto"
+    assert defaults["gate"]["dtype"] is None  # the gate's options take their defaults from GateOptions, declared once
+    assert defaults["serve"]["dtype"] == GateOptions(out=tmp_path).dtype == GateOptions.quick(tmp_path).dtype == "auto"
     served = weights_name(resolve_weights("auto", "gemma-3-270m"))
     assert resolve_dtype("auto", "gemma-3-270m") == served and resolve_dtype("float32", "gemma-3-270m") == "float32"
     chosen = launch.LaunchOptions(engine="specgate", target="gemma-3-270m", specs=["ngram"], gamma=4, max_num_seqs=2, max_seq_len=64,

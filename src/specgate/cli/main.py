@@ -44,6 +44,10 @@ for module in (theory_cmds, verify_cmds, engine_cmds, serve_cmds, gate_cmds, eng
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; usage and input errors become one `error: ...` line and exit status 2, never a traceback."""
+    if argv is None and sys.argv[1:2] == ["serve"]:  # the real command line only: never an in-process caller
+        from specgate.cli.hugepages import reexec_with_huge_pages
+
+        reexec_with_huge_pages(sys.argv[1:])
     command = typer.main.get_command(app)
     try:
         result = command.main(args=argv, prog_name="specgate", standalone_mode=False)

@@ -29,6 +29,7 @@ def register(app: typer.Typer) -> None:
         request_timeout_s: float = typer.Option(None, help="End a request still running this many seconds after arrival (HTTP 504; default: no limit)."),
         max_body_bytes: int = typer.Option(1 << 20, help="Largest request body accepted, in bytes (HTTP 413 above it)."),
         drain_timeout_s: float = typer.Option(30.0, help="On SIGTERM: new requests get 503 and in-flight ones get this many seconds to finish."),
+        debug_step_delay_ms: float = typer.Option(0.0, help="Tests only: sleep this many ms after every engine step, a server slower by a known amount (the gate's negative control)."),
         json_output: bool = typer.Option(False, "--json", help="Print one JSON object {url, host, port, model, policy} once listening."),
     ) -> None:
         """Serve TARGET with speculative decoding behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics).
@@ -48,7 +49,7 @@ def register(app: typer.Typer) -> None:
             target=target, draft=draft, host=host, port=port, policy=policy, gamma=gamma, gamma_table=gamma_table,
             api_key=api_key, max_num_seqs=max_num_seqs, max_waiting=max_waiting, max_seq_len=max_seq_len,
             served_model_name=served_model_name, dtype=dtype, lossy=lossy, request_timeout_s=request_timeout_s,
-            max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s,
+            max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s, debug_step_delay_ms=debug_step_delay_ms,
         )
         config.validate()
         if policy == "table" and not gamma_table:

@@ -58,11 +58,17 @@ class RequestRecord:
     text: str = ""
     chunk_gaps_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
+    chunk_times_s: list[float] = field(default_factory=list)  # each text chunk's arrival, from sending the request
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens apportioned to each chunk (sum = completion_tokens)
+    block: int | None = None  # the paired round (block) of a measured window
     draft_tokens: int | None = None  # from the response's `timings` (llama.cpp: draft_n), where the engine sends them
     accepted_tokens: int | None = None  # (llama.cpp: draft_n_accepted)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+CANCELLED = "cancelled: the round ended while it ran"
 
 
 def apportion(total: int, weights: Sequence[int]) -> list[int]:
@@ -83,9 +89,8 @@ def apportion(total: int, weights: Sequence[int]) -> list[int]:
     return [b + int(f) for b, f in zip(base, floors)]
 
 
-def token_latencies(chunk_times_s: list[float], chunk_chars: list[int], completion_tokens: int) -> list[float]:
-    """Per-token ITL samples from chunk arrival times (see the module docstring)."""
-    tokens = apportion(max(completion_tokens, len(chunk_times_s)), chunk_chars)
+def token_latencies(chunk_times_s: list[float], tokens: list[int]) -> list[float]:
+    """Per-token ITL samples from chunk arrival times and the tokens apportioned to each chunk (module docstring)."""
     out: list[float] = []
     for i in range(1, len(chunk_times_s)):
         gap = chunk_times_s[i] - chunk_times_s[i - 1]
@@ -121,8 +126,9 @@ class Client:
             body["stop"] = spec.stop
         return body
 
-    async def complete(self, spec: RequestSpec, record: RequestRecord) -> RequestRecord:
-        """Send one streamed completion and fill `record` (errors are recorded, never raised)."""
+    async def complete(self, spec: RequestSpec, record: RequestRecord, on_first_token: Callable[[], None] | None = None) -> RequestRecord:
+        """Send one streamed completion and fill `record` (errors are recorded, never raised); `on_first_token` is
+        called when the first chunk with text arrives."""
         start = time.perf_counter()
         chunk_times: list[float] = []
         chunk_chars: list[int] = []
@@ -149,11 +155,16 @@ class Client:
                     for choice in obj.get("choices") or []:
                         text = choice.get("text") or ""
                         if text:
+                            if not chunk_times and on_first_token is not None:
+                                on_first_token()
                             chunk_times.append(time.perf_counter() - start)
                             chunk_chars.append(len(text))
                             pieces.append(text)
                         if choice.get("finish_reason"):
                             record.finish_reason = choice["finish_reason"]
+        except asyncio.CancelledError:  # a round ended with this request in flight: its chunks so far still count
+            record.error, record.chunk_times_s, record.chunk_tokens = CANCELLED, chunk_times, [1] * len(chunk_times)
+            raise
         except Exception as exc:  # connection refused / reset / timeout: the server may have died
             record.error = f"{type(exc).__name__}: {exc}"[:300]
             return record
@@ -163,7 +174,9 @@ class Client:
             record.ttft_s = chunk_times[0]
             record.completion_tokens = record.completion_tokens or len(chunk_times)
             record.chunk_gaps_s = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
-            record.itl_s = token_latencies(chunk_times, chunk_chars, record.completion_tokens)
+            record.chunk_times_s = chunk_times
+            record.chunk_tokens = apportion(max(record.completion_tokens, len(chunk_times)), chunk_chars)
+            record.itl_s = token_latencies(chunk_times, record.chunk_tokens)
             if record.completion_tokens > 1:
                 record.tpot_s = (record.e2e_s - record.ttft_s) / (record.completion_tokens - 1)
         record.ok = True

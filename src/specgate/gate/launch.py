@@ -47,7 +47,7 @@ LLAMACPP_LENGTH_FLAGS = {
 }
 VLLM_SPECS = ("ngram", "suffix")  # plus draft:PATH, eagle:PATH, eagle3:PATH
 SGLANG_SPECS = ("ngram",)  # plus draft:PATH, eagle:PATH, eagle3:PATH
-SPECGATE_SPECS = ("ngram", "default", "adaptive")  # plus a draft model PATH, eagle:DIR (a saved EAGLE head); adaptive[:DRAFT]
+SPECGATE_SPECS = ("ngram", "default", "adaptive", "table")  # plus a draft model PATH, eagle:DIR (a saved EAGLE head); adaptive[:DRAFT]; table:DRAFT:TABLE
 MODEL_SPEC_KINDS = ("draft", "eagle", "eagle3")
 DEFAULT_SPECS = {"specgate": ["default", "ngram"], "llama.cpp": ["ngram-simple:8", "ngram-mod:8"], "vllm": ["ngram"], "sglang": ["ngram"]}
 SERVER_START_TIMEOUT_S = 900.0  # the first Gemma conversion takes ~2 minutes on 2 cores
@@ -70,6 +70,7 @@ class LaunchProfile:
     policy: str = "fixed"  # off | fixed | table | adaptive (specgate); engine (the engine's own rule)
     lossy: str | None = None
     draft: str | None = None  # specgate: the --draft it serves (none, ngram, default, PATH)
+    gamma_table: str | None = None  # specgate --policy table
 
     def argv(self, port: int) -> list[str]:
         return [part.replace("{port}", str(port)) for part in self.template]
@@ -83,7 +84,7 @@ class LaunchProfile:
 
     def meta(self) -> dict[str, Any]:
         return {"name": self.name, "engine": self.engine, "spec": self.spec, "gamma": self.gamma, "policy": self.policy,
-                "lossy": self.lossy, "draft": self.draft or self.spec, "command": self.command()}
+                "lossy": self.lossy, "draft": self.draft or self.spec, "gamma_table": self.gamma_table, "command": self.command()}
 
 
 def render_template(template: str, *, gamma: int | None = None, model: str | None = None, what: str = "--server-cmd") -> list[str]:
@@ -108,6 +109,11 @@ def parse_spec(spec: str) -> tuple[str, str | None, int | None]:
     head, _, rest = spec.strip().partition(":")
     if not head:
         raise ValueError(f"--spec {spec!r} is empty before ':': name a method, e.g. ngram-simple:8")
+    if head == "table":  # table:DRAFT:'1-1:4,2-64:0' (specgate: a per-batch-size schedule)
+        draft, sep, table = rest.partition(":")
+        if not draft or not sep or not table:
+            raise ValueError(f"--spec {spec!r}: a schedule is table:DRAFT:TABLE, e.g. table:ngram:1-1:4,2-64:0")
+        return head, f"{draft}:{table}", None
     if head in MODEL_SPEC_KINDS or head == "adaptive":
         arg, gamma = rest, None
         path, sep, tail = rest.rpartition(":")
@@ -197,6 +203,16 @@ def specgate_command(o: LaunchOptions, draft: str, policy: str, gamma: int, *, g
     return argv
 
 
+def table_profile(o: LaunchOptions, draft: str, table: str, name: str | None = None) -> LaunchProfile:
+    """specgate --policy table --gamma-table TABLE with DRAFT (a schedule: gamma per batch size)."""
+    from specgate.serving.policy.simple import TablePolicy
+
+    gamma = TablePolicy.parse(table).max_gamma  # ValueError names a bad entry
+    label = name or f"table-{Path(draft).name if os.sep in draft else draft}"
+    return LaunchProfile(label, "specgate", specgate_command(o, draft, "table", 0, gamma_table=table), f"table:{draft}", gamma, "table",
+                         draft=draft, gamma_table=table)
+
+
 def _label(name: str, gamma: int, named_gamma: bool) -> str:
     return f"{name}-g{gamma}" if named_gamma else name
 
@@ -210,6 +226,9 @@ def specgate_profiles(o: LaunchOptions) -> list[LaunchProfile]:
         if kind == "eagle3":
             raise ValueError(f"--spec {spec!r}: specgate serves ngram, default, eagle:DIR (a head saved by specgate), a draft model PATH "
                              "(or draft:PATH) and adaptive[:DRAFT]")
+        if kind == "table":
+            profiles.append(table_profile(o, *str(arg).split(":", 1)))
+            continue
         if kind == "adaptive":
             draft = arg or "ngram"
             name = _label(f"{Path(draft).name if os.sep in draft else draft}-adaptive", gamma, named)
@@ -382,13 +401,15 @@ def _health(url: str) -> bool:
         return False
 
 
-def _last_error(log_path: Path) -> str:
+def _last_error(log_path: Path | None) -> str:
+    if log_path is None or not log_path.exists():
+        return "no output"
     lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
     return next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else "no output")
 
 
-def start(profile: LaunchProfile, out: Path, timeout_s: float = SERVER_START_TIMEOUT_S) -> Endpoint:
-    """Start `profile` on a free loopback port; return once /health answers 200 (ServerStartError with the cause)."""
+def spawn(profile: LaunchProfile, out: Path) -> Endpoint:
+    """Start `profile`'s process on a free loopback port (its output to out/server-NAME.log); wait_ready() next."""
     port = free_port()
     argv = profile.argv(port)
     log_path = out / f"server-{profile.name}.log"
@@ -398,16 +419,26 @@ def start(profile: LaunchProfile, out: Path, timeout_s: float = SERVER_START_TIM
     except OSError as exc:
         raise ServerStartError(f"`{argv[0]}` could not be started ({exc.strerror or exc}): is {profile.engine} installed here?") from None
     url = f"http://127.0.0.1:{port}"
-    endpoint = Endpoint(profile.name, url, f"{url}/metrics", process, log_path, {"url": url, "command": profile.command(port)})
+    return Endpoint(profile.name, url, f"{url}/metrics", process, log_path, {"url": url, "command": profile.command(port)})
+
+
+def wait_ready(endpoint: Endpoint, timeout_s: float = SERVER_START_TIMEOUT_S) -> Endpoint:
+    """Return once /health answers 200; ServerStartError with the cause (its log's last error line) otherwise."""
+    process, command = endpoint.process, endpoint.info.get("command", endpoint.name)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise ServerStartError(f"`{profile.command(port)}` exited with status {process.returncode}: {_last_error(log_path)}")
-        if _health(url):
+        if process is not None and process.poll() is not None:
+            raise ServerStartError(f"`{command}` exited with status {process.returncode}: {_last_error(endpoint.log_path)}")
+        if _health(endpoint.url):
             return endpoint
         time.sleep(0.25)
     endpoint.stop()
-    raise ServerStartError(f"`{profile.command(port)}` did not answer /health within {timeout_s:.0f} s (log: {log_path})")
+    raise ServerStartError(f"`{command}` did not answer /health within {timeout_s:.0f} s (log: {endpoint.log_path})")
+
+
+def start(profile: LaunchProfile, out: Path, timeout_s: float = SERVER_START_TIMEOUT_S) -> Endpoint:
+    """spawn() then wait_ready(): a server answering /health, or ServerStartError."""
+    return wait_ready(spawn(profile, out), timeout_s)
 
 
 def detect_engine(url: str, samples: list | None = None) -> str:

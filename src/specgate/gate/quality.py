@@ -1,30 +1,35 @@
-"""Quality, paired on the same prompts: greedy exact match, math exact match with 95% CIs, the target's
-perplexity, and a two-sample test on the target's log-likelihood of sampled continuations.
+"""Quality, paired on the same items: greedy exact match, math exact match (paired non-inferiority), the target's
+perplexity, and an equivalence test of the target's log-likelihood of sampled continuations.
 
-- Greedy exact match: a lossless configuration must reproduce the baseline's greedy text on every prompt
-  (up to floating-point ties); every mismatch is listed with the first differing character.
-- Math: exact match of the first number of each answer; a 95% percentile-bootstrap CI per configuration and
-  a paired bootstrap CI of the difference (same items, resampled together), plus McNemar's exact test.
-- Perplexity: exp(mean token NLL) of a text under the target (teacher forcing, windows of WINDOW tokens),
-  with a block-bootstrap 95% CI; per configuration, the target's perplexity of its own sampled continuations.
-- Sampled log-likelihood test: the same prompts and seeds sampled at temperature 1 from the baseline and
-  the speculative configuration; the target scores each continuation (mean log-prob per token). A lossless
-  configuration samples from the target's distribution, so the paired differences are centred at 0; a lossy
-  one (typical acceptance, synthetic acceptance) shifts them. Wilcoxon signed-rank (paired by prompt),
-  two-sided, at significance LOGLIK_ALPHA.
+- Greedy exact match: a lossless configuration reproduces the baseline's greedy text on every prompt (up to
+  floating-point ties); every mismatch is listed with the first differing character.
+- Math: exact match of the first number of each answer, paired by item. The difference (configuration -
+  baseline) gets Tango's score interval (stats.paired_proportion_difference) at the family-wise level over the
+  configurations tested; it is non-inferior when the lower bound is >= -margin, a regression when the upper bound
+  is < -margin, and undecided otherwise, with the smallest regression the sample could rule out stated ("40 items
+  rule out regressions >= 8.8 points at best"): never a pass by absence of evidence. McNemar's exact p is reported beside.
+- Perplexity: exp(mean token NLL) of a text under the target, with a block-bootstrap 95% CI.
+- Sampled log-likelihood: the same prompts and seeds sampled at temperature 1 by the baseline and the
+  configuration; the target scores each token x_t of a continuation by log p(x_t) + H(p_t), which has mean 0
+  exactly when x_t is drawn from p_t (and less spread than log p alone, whose mean moves with the context's
+  entropy). The paired per-prompt difference of the means gets a t interval at 1 - 2 alpha (alpha the
+  family-wise 0.05 over the configurations); two one-sided tests call the shift equivalent to zero when the
+  interval lies inside (-margin, margin), a shift when it lies wholly outside, undecided otherwise (with the
+  smallest margin the sample could establish). Lossless speculation samples from the target's distribution;
+  lossy modes shift it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from specgate.gate import stats
+from specgate.gate.records import SampleScore
 from specgate.gate.workload import MathItem, first_number
 
 WINDOW = 128  # tokens per perplexity window
-LOGLIK_ALPHA = 0.01
 BOOTSTRAP_RESAMPLES = 2000
 MATH_SHOTS = "Q: What is 7 + 5?\nA: 12\nQ: What is 20 - 8?\nA: 12\nQ: What is 6 * 4?\nA: 24\n"
 
@@ -76,21 +81,44 @@ def math_scores(items: list[MathItem], outputs: dict[str, str]) -> np.ndarray:
     return np.array([float(first_number(outputs.get(item.id, "")) == item.answer) for item in items])
 
 
-def paired_math(items: list[MathItem], baseline: dict[str, str], speculative: dict[str, str], seed: int = 0) -> dict[str, Any]:
-    """Exact-match rates with 95% bootstrap CIs, the paired difference's CI, and McNemar's exact p-value."""
+def math_noninferiority(items: list[MathItem], baseline: dict[str, str], speculative: dict[str, str], margin: float,
+                        level: float = stats.LEVEL) -> dict[str, Any]:
+    """Exact-match rates, the paired difference's Tango interval at `level`, its state against -margin, McNemar's p."""
     from scipy.stats import binomtest
 
     base, spec = math_scores(items, baseline), math_scores(items, speculative)
-    diff = spec - base
-    better, worse = int((diff > 0).sum()), int((diff < 0).sum())
-    mcnemar_p = float(binomtest(better, better + worse, 0.5).pvalue) if better + worse else 1.0
-    lo, hi = bootstrap_ci(diff, seed)
+    better, worse = int(((spec - base) > 0).sum()), int(((spec - base) < 0).sum())
+    interval = stats.paired_proportion_difference(better, worse, len(items), level)
+    state = stats.State.PASS if interval.low >= -margin else stats.State.FAIL if interval.high < -margin else stats.State.UNDECIDED
     return {
-        "items": len(items), "baseline_em": float(base.mean()), "baseline_ci95": bootstrap_ci(base, seed),
-        "speculative_em": float(spec.mean()), "speculative_ci95": bootstrap_ci(spec, seed),
-        "delta": float(diff.mean()), "delta_ci95": (lo, hi), "discordant": {"speculative_right": better, "baseline_right": worse},
-        "mcnemar_p": mcnemar_p, "within_noise": bool(lo <= 0.0 <= hi) or float(diff.mean()) >= 0.0,
+        "items": len(items), "baseline_em": float(base.mean()), "speculative_em": float(spec.mean()), "delta": interval.estimate,
+        "interval": interval, "discordant": {"speculative_right": better, "baseline_right": worse}, "margin": margin,
+        "mcnemar_p": float(binomtest(better, better + worse, 0.5).pvalue) if better + worse else 1.0, "state": state,
+        "detectable": stats.paired_proportion_difference(0, 0, len(items), level).high,  # the least regression it can rule out
     }
+
+
+def loglik_equivalence(baseline: dict[str, Any], speculative: dict[str, Any], margin: float, level: float = stats.LEVEL) -> dict[str, Any]:
+    """TOST on the paired per-prompt difference of centered log-likelihoods (module docstring).
+
+    baseline / speculative: sample id -> SampleScore. `level` is the family-wise confidence: the tests run at
+    alpha = (1 - level), so the interval read is the (1 - 2 alpha) one."""
+    common = [k for k in sorted(set(baseline) & set(speculative)) if baseline[k].tokens > 0 and speculative[k].tokens > 0]
+    diffs = [speculative[k].centered_mean - baseline[k].centered_mean for k in common]
+    raw = [speculative[k].logprob_sum / speculative[k].tokens - baseline[k].logprob_sum / baseline[k].tokens for k in common]
+    tost_level = 1.0 - 2.0 * (1.0 - level)
+    interval = stats.mean_interval(diffs, tost_level) if len(diffs) >= 2 else None
+    return {
+        "pairs": len(common), "interval": interval, "margin": margin, "state": stats.equivalent(interval, margin),
+        "mean_logprob_delta": float(np.mean(raw)) if raw else None, "tokens": sum(speculative[k].tokens for k in common),
+        "detectable": interval.half_width if interval is not None else None,  # the least margin this sample can establish
+        "baseline_perplexity": _perplexity([baseline[k] for k in common]), "speculative_perplexity": _perplexity([speculative[k] for k in common]),
+    }
+
+
+def _perplexity(scores: list[Any]) -> float | None:
+    tokens = sum(s.tokens for s in scores)
+    return float(np.exp(-sum(s.logprob_sum for s in scores) / tokens)) if tokens else None
 
 
 class TargetScorer:
@@ -121,16 +149,27 @@ class TargetScorer:
                 out.append(logprobs.gather(1, targets[:, None])[:, 0].numpy())
         return np.concatenate(out) if out else np.zeros(0)
 
-    def continuation_logprob(self, prompt: str, continuation: str) -> tuple[float, int]:
-        """(sum of log-probs, tokens) of `continuation` after `prompt` (re-tokenised together)."""
+    def score_continuation(self, prompt: str, continuation: str) -> SampleScore:
+        """The target's log-probabilities of `continuation` after `prompt` (re-tokenised together), with the entropy
+        of each of its positions (SampleScore.centered_sum)."""
+        import torch
+
         prompt_ids = self.tokenizer(prompt)["input_ids"]
-        full_ids = self.tokenizer(prompt + continuation)["input_ids"]
-        n_new = len(full_ids) - len(prompt_ids)
-        if n_new <= 0:
-            return 0.0, 0
-        ids = full_ids[-(WINDOW + 1) :] if len(full_ids) > WINDOW + 1 else full_ids
-        logprobs = self.token_logprobs(ids)
-        return float(logprobs[-n_new:].sum()), int(min(n_new, logprobs.size))
+        ids = self.tokenizer(prompt + continuation)["input_ids"]
+        n = len(ids) - len(prompt_ids)
+        if n <= 0:
+            return SampleScore(0.0, 0, 0.0)
+        cut = len(ids) - n - 1  # positions before it only write the K/V; the LM head runs on the continuation's
+        cache = self.model.new_cache(1, len(ids))
+        slot = torch.zeros(1, dtype=torch.int64)
+        with torch.inference_mode():
+            if cut > 0:
+                self.model.forward(torch.tensor([ids[:cut]]), torch.arange(cut)[None], cache, slot, logits=False)
+            logits = self.model.forward(torch.tensor([ids[cut:-1]]), torch.arange(cut, len(ids) - 1)[None], cache, slot)  # [1, n, V]
+            logprobs = torch.log_softmax(logits[0].float(), dim=-1)  # [n, V]
+            chosen = logprobs.gather(1, torch.tensor(ids[cut + 1 :])[:, None])[:, 0]  # [n]
+            entropy = -(logprobs.exp() * logprobs).sum(-1)  # [n]
+        return SampleScore(float(chosen.sum()), n, float((chosen + entropy).sum()))
 
     def perplexity(self, text: str, seed: int = 0, block_tokens: int = 32) -> dict[str, Any]:
         """exp(mean NLL) of `text`, with a 95% block-bootstrap CI over blocks of block_tokens tokens."""
@@ -139,46 +178,3 @@ class TargetScorer:
         blocks = [nll[i : i + block_tokens].mean() for i in range(0, nll.size, block_tokens)]
         lo, hi = bootstrap_ci(np.array(blocks), seed)
         return {"tokens": int(nll.size), "perplexity": float(np.exp(nll.mean())), "ci95": (float(np.exp(lo)), float(np.exp(hi)))}
-
-
-@dataclass
-class LoglikTest:
-    pairs: int
-    baseline_mean: float | None
-    speculative_mean: float | None
-    mean_delta: float | None
-    p_value: float | None
-    significance: float
-    flagged: bool
-    baseline_perplexity: float | None
-    speculative_perplexity: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-def loglik_two_sample(baseline: dict[str, tuple[float, int]], speculative: dict[str, tuple[float, int]], significance: float = LOGLIK_ALPHA) -> LoglikTest:
-    """Paired Wilcoxon signed-rank test on the per-token mean target log-likelihood of sampled continuations.
-
-    baseline / speculative: prompt id -> (sum log-prob, tokens). flagged = p < significance: the speculative
-    configuration does not sample from the target's distribution (a lossy mode).
-    """
-    from scipy.stats import wilcoxon
-
-    common = [pid for pid in sorted(set(baseline) & set(speculative)) if baseline[pid][1] > 0 and speculative[pid][1] > 0]
-    if len(common) < 2:
-        return LoglikTest(len(common), None, None, None, None, significance, False, None, None)
-    base = np.array([baseline[pid][0] / baseline[pid][1] for pid in common])
-    spec = np.array([speculative[pid][0] / speculative[pid][1] for pid in common])
-    diff = spec - base
-    p_value = 1.0 if np.all(diff == 0) else float(wilcoxon(spec, base, zero_method="zsplit").pvalue)
-
-    def perplexity(scores: dict[str, tuple[float, int]]) -> float:
-        total = sum(scores[pid][0] for pid in common)
-        tokens = sum(scores[pid][1] for pid in common)
-        return float(np.exp(-total / tokens))
-
-    return LoglikTest(
-        len(common), float(base.mean()), float(spec.mean()), float(diff.mean()), p_value, significance,
-        bool(p_value < significance), perplexity(baseline), perplexity(speculative),
-    )

@@ -1,10 +1,12 @@
-"""The gate's outputs: report.json (every raw number), report.md, a self-contained report.html (plots embedded
-as base64 PNG) and requests.jsonl (one row per request).
+"""The gate's outputs, rendered from the decision (decision.GateResult); nothing here decides.
 
-report.json: `verdict` ("GO" | "NO-GO", for `config`, the best speculative configuration), `criteria` (a list of
-{name, value, threshold, pass, reason}), `configs` (each speculative configuration's own verdict, criteria,
-analysis and recommended schedule), `measurements` (per configuration: sweep, poisson, per-category and
-total spec-decode windows, memory, outputs), `quality`, `perplexity`, `notes`, `definitions`, `thresholds`.
+report.json: `verdict` (GO / NO-GO / INCONCLUSIVE), `config` (what it speaks for), `recommendation`, `criteria` (the
+headline's, each with its state, load, estimate, interval, threshold, reason and what would decide it), `configs`
+(every decided configuration: screening decisions, and `recommended`'s confirmation), `stages` (blocks, looks,
+confidence level, budget), `measurements` (every run's records: fixed-work outputs and paired-round windows),
+`perplexity`, `notes`, `definitions`, `options`. report.md and a self-contained report.html say the same for people,
+with plots (the throughput ratio with its interval per load for every configuration first); requests.jsonl holds one
+row per request.
 """
 
 from __future__ import annotations
@@ -14,242 +16,99 @@ import html
 import io
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from specgate.gate import decision, quality
+from specgate.gate import prom, quality
+from specgate.gate.decision import ConfigDecision, GateResult
+from specgate.gate.options import GateOptions
 from specgate.jsonutil import jsonable
 
 DEFINITIONS = {
+    "round": "one server's steady-state window at one load (ramp-up and drain excluded); a block gives every compared server one round per load, in alternating order",
+    "throughput ratio": "configuration / baseline output tokens per second over paired rounds: the geometric mean of the per-block ratios with a Student-t interval on their logs",
+    "margin": "a ratio whose interval's lower bound is >= 1 - margin shows no regression; upper bound < 1 - margin: a regression; else undecided",
     "TTFT": "time to first token: from sending the request to the first streamed chunk with text (client clock)",
     "ITL": "inter-token latency, per token: a chunk arriving d s after the previous one with k tokens counts k samples of d/k",
-    "chunk gap": "raw time between streamed chunks (one speculative step can stream several tokens at once)",
-    "TPOT": "time per output token after the first: (e2e - TTFT) / (completion tokens - 1), one value per request",
-    "e2e": "end-to-end request latency: from sending the request to the end of the stream",
-    "AR": "acceptance rate = accepted draft tokens / draft tokens verified (counter deltas over the window)",
-    "AL": "mean acceptance length = 1 + accepted / drafts: tokens emitted per verify step with drafts",
-    "alpha": "Leviathan's per-token acceptance probability: the i.i.d. alpha whose E[T] at the mean draft length equals AL",
-    "c": "effective draft cost ratio: (decode step time with speculation / without - 1) / gamma at the same concurrency",
-    "alpha_min": "the alpha at which S(alpha, gamma, c) = 1 (specgate.theory.alpha_min); below it speculation slows decoding",
-    "predicted speedup": "S = E[T](alpha, gamma) / (gamma c + 1) (Leviathan et al.)",
-    "measured speedup": "closed-loop output tokens/s with speculation / without, at the same concurrency",
-    "per-position rate": "accepted drafts at position i / drafts (marginal, as vLLM's counters)",
+    "TPOT": "time per output token after the first: (e2e - TTFT) / (completion tokens - 1)",
+    "AR": "acceptance rate = accepted draft tokens / draft tokens verified (counter deltas over the windows)",
+    "AL": "mean acceptance length = 1 + accepted / drafts: tokens per verify step that drafted (vLLM's)",
+    "tokens per step": "generated tokens / target steps, every step counted (with drafts or without): the one accounting",
+    "alpha": "Leviathan's per-token acceptance: the alpha whose E[T] at the mean draft length g equals AL",
+    "c": "cost per draft token: (decode time per target step with speculation / without - 1) x steps / draft tokens",
+    "alpha_min": "the alpha at which E[T](alpha, g) = 1 + g c: speculation pays above it (0 when c <= 0)",
+    "predicted speedup": "(tokens per step) / (step time ratio) = baseline TPOT / configuration TPOT: above 1 exactly when alpha > alpha_min",
+    "measured speedup": "the closed-loop throughput ratio at the same concurrency (prefill and HTTP included)",
+    "INCONCLUSIVE": "a binding criterion's interval still straddles its bound when the budget is spent; the report says how much more would decide it",
 }
 
 
-def _speculative(results: dict[str, dict]) -> list[str]:
-    return [name for name, r in results.items() if name != "baseline"]
-
-
-def acceptance(result: dict[str, Any]) -> dict[str, Any] | None:
-    """{ar, al, per_position, source} over every phase: counter deltas, else the responses' summed timings."""
-    total = result.get("spec_total") or {}
-    if total.get("flavour") and (total.get("num_draft_tokens") or total.get("acceptance_rate") is not None):
-        rates, gamma = list(total.get("per_position_rate") or []), int(result.get("gamma") or 0)
+def acceptance_summary(run: Any) -> dict[str, Any] | None:
+    """{ar, al, per_position, source} over every phase and round: counter deltas, else the responses' timings; with both,
+    `fixed_work_check` sets the counters' AR over the fixed-work phases beside the responses' (the same requests)."""
+    total = run.spec_total()
+    if total is not None and total.flavour and (total.num_draft_tokens or total.acceptance_rate is not None):
+        rates, gamma = list(total.per_position_rate or []), int(run.gamma or 0)
         if gamma and not any(rates[gamma:]):  # llama.cpp exports zeros past the draft length
             rates = rates[:gamma]
-        rates += [0.0] * (gamma - len(rates)) if total.get("num_drafts") else []  # a never-accepted position exports no sample
-        out = {"ar": total.get("acceptance_rate"), "al": total.get("acceptance_length"), "per_position": rates,
-               "source": "counters", "flavour": total.get("flavour"), "timings": result.get("timings_total"), "warning": None}
-        if gamma and (total.get("mean_draft_len") or 0.0) > gamma + 1e-9:
-            out["warning"] = (f"drafted {total['mean_draft_len']:.1f} tokens per draft, more than the configured draft length {gamma}: the "
-                              "engine's draft-length option does not govern this method; alpha and c use the measured mean")
-        return out
-    timed = result.get("timings_total")
-    if timed and timed.get("draft_tokens"):
-        return {"ar": timed["accepted_tokens"] / timed["draft_tokens"], "al": None, "per_position": [], "source": "timings",
-                "flavour": None, "timings": timed, "warning": None}
+        rates += [0.0] * (gamma - len(rates)) if total.num_drafts else []  # a never-accepted position exports no sample
+        warning = None
+        if gamma and run.policy != "adaptive" and (total.mean_draft_len or 0.0) > gamma + 1e-9:
+            warning = (f"drafted {total.mean_draft_len:.1f} tokens per draft, more than the configured draft length {gamma}: the engine's "
+                       "draft-length option does not govern this method; alpha and c use the measured mean")
+        phases = prom.merge_windows(run.phase_windows) if run.phase_windows else None  # the requests the timings cover
+        check = {"counters_ar": phases.acceptance_rate if phases else None,
+                 "timings_ar": run.timings["accepted_tokens"] / run.timings["draft_tokens"] if run.timings and run.timings.get("draft_tokens") else None}
+        return {"ar": total.acceptance_rate, "al": total.acceptance_length, "per_position": rates, "source": "counters",
+                "flavour": total.flavour, "timings": run.timings, "fixed_work_check": check, "warning": warning}
+    if run.timings and run.timings.get("draft_tokens"):
+        return {"ar": run.timings["accepted_tokens"] / run.timings["draft_tokens"], "al": None, "per_position": [], "source": "timings",
+                "flavour": None, "timings": run.timings, "warning": None}
     return None
 
 
-def build_report(options: Any, plan: Any, results: dict[str, dict], scored: dict, notes: list[str], *, wall_s: float,
-                 advice: Any = None) -> dict[str, Any]:
-    """Decide every speculative configuration against the baseline and assemble the report dict."""
-    from specgate.gate.recommend import RECOMMENDED, config_quality
-
-    baseline = results.get("baseline") or {"name": "baseline", "failure": "the baseline server did not run"}
+def build_report(options: GateOptions, plan: Any, result: GateResult, *, tokenizer: Any = None, wall_s: float) -> dict[str, Any]:
+    """The report dict (report.json), from the decision's records."""
+    baseline = result.runs.get("baseline")
     configs: dict[str, Any] = {}
-    quality_all: dict[str, Any] = {}
-    for name in _speculative(results):
-        spec = results[name]
-        base_ll, spec_ll = scored["loglik"].get("baseline"), scored["loglik"].get(name)
-        q = config_quality(plan, baseline, spec, options.seed, quality.loglik_two_sample(base_ll, spec_ll).to_dict() if base_ll and spec_ll else None)
-        if scored.get("tokenizer") is not None:
-            quality.add_token_positions(q["greedy"], baseline.get("greedy") or {}, spec.get("greedy") or {}, scored["tokenizer"])
-        analysis = decision.analyse(baseline, spec, options.thresholds.gamma_max)
-        verdict, criteria = decision.decide(baseline, spec, q, options.thresholds, analysis)
-        configs[name] = {
-            "verdict": verdict, "engine": spec.get("engine"), "command": spec.get("command"), "acceptance": acceptance(spec),
-            "criteria": decision.criteria_dicts(criteria), "analysis": analysis,
-            "schedule": decision.schedule_exports(analysis, spec.get("draft") or name, options.max_num_seqs,
-                                                  spec.get("engine") == "specgate" and decision.is_specgate_head(spec.get("draft") or "", options.target)),
-        }
-        if (configs[name]["acceptance"] or {}).get("warning"):
-            notes.append(f"{name}: {configs[name]['acceptance']['warning']}")
-        if configs[name]["acceptance"] is None and not spec.get("failure"):
-            notes.append(f"{name}: the engine reported neither spec-decode counters nor per-response timings: acceptance not measured")
-        quality_all[name] = q
-    recommendation = _recommendation(advice, configs, results, baseline, options.thresholds.target_concurrency, RECOMMENDED)
-    headline = recommendation["config"] if recommendation["config"] in configs else _headline(configs, results, options.thresholds.target_concurrency)
-    top = configs.get(headline) if headline else None
-    criteria = top["criteria"] if top else [{"name": "completed", "value": False, "threshold": True, "pass": False, "binding": True,
-                                            "reason": "no speculative configuration was measured"}]
-    for result in results.values():
-        for key in ("greedy", "math_outputs", "samples"):
-            result.setdefault(key, {})
+    for d in [*result.screening.values(), *([result.confirmation] if result.confirmation else [])]:
+        run = result.runs[d.name]
+        if tokenizer is not None and baseline is not None:
+            quality.add_token_positions(d.quality["greedy"], baseline.greedy, run.greedy, tokenizer)
+        configs[d.name] = {**d.to_dict(), "engine": run.engine, "command": run.command, "policy": run.policy, "acceptance": acceptance_summary(run)}
+        warning = (configs[d.name]["acceptance"] or {}).get("warning")
+        if warning and f"{d.name}: {warning}" not in result.notes:
+            result.notes.append(f"{d.name}: {warning}")
+        if configs[d.name]["acceptance"] is None and not run.failure and run.spec != "none":
+            result.notes.append(f"{d.name}: the engine reported neither spec-decode counters nor per-response timings: acceptance not measured")
     return {
-        "verdict": recommendation["verdict"], "engine": baseline.get("engine") or recommendation["engine"], "config": headline, "recommendation": recommendation, "criteria": criteria,
-        "configs": configs, "quality": quality_all, "perplexity": scored.get("perplexity"), "notes": notes,
-        "measurements": results, "thresholds": decision.thresholds_dict(options.thresholds),
-        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(options).items() if k != "thresholds"},
-        "definitions": DEFINITIONS, "wall_s": wall_s, "scoring_s": scored.get("scoring_s"),
+        "verdict": result.verdict, "engine": (baseline.engine if baseline else None), "config": result.config,
+        "recommendation": _recommendation(result), "criteria": [c.to_dict() for c in result.criteria], "configs": configs,
+        "stages": result.stages, "measurements": {name: run.to_dict() for name, run in result.runs.items()},
+        "perplexity": result.perplexity, "notes": result.notes, "definitions": DEFINITIONS,
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()}, "wall_s": wall_s,
     }
 
 
-def _recommendation(advice: Any, configs: dict, results: dict, baseline: dict, concurrency: int, recommended: str) -> dict[str, Any]:
-    """report.json's `recommendation`: what to deploy, its command, and its verdict from its own measurements."""
-    def ratios(name: str) -> dict[str, float | None]:
-        rows = (configs.get(name) or {}).get("analysis", {}).get("per_concurrency", [])
-        return {str(r["concurrency"]): r["measured_speedup"] for r in rows}
-
-    if advice is None or advice.kind == "off":
-        return {"config": "off", "engine": baseline.get("engine"), "command": baseline.get("command"), "measured": bool(baseline.get("sweep")),
-                "verdict": "NO-GO", "throughput_ratio": {str(lv["concurrency"]): 1.0 for lv in baseline.get("sweep") or []},
-                "kind": "off", "based_on": None, "reason": advice.reason if advice else "no recommendation was derived"}
-    name = recommended if recommended in configs else advice.based_on  # external: the endpoint's own measurements
-    measured = name in configs and not results[name].get("failure")
-    verdict = configs[name]["verdict"] if measured else "NO-GO"
-    reason = advice.reason if measured else f"{advice.reason}; but the recommendation's own run failed: {(results.get(name) or {}).get('failure')}"
-    kind = advice.kind
-    source = advice.based_on
-    if advice.kind == "schedule" and measured and name != source and _measured_better(source, name, configs, results, concurrency):
-        from specgate.gate.recommend import throughput
-
-        ours, theirs = throughput(results[name], concurrency), throughput(results[source], concurrency)
-        reason = (f"{advice.reason}; but its schedule, measured as `{name}`, ran {_f(ours)} tok/s against {_f(theirs)} for "
-                  f"`{source}` at concurrency {concurrency}: `{source}` is recommended as it ran")
-        name, kind, verdict = source, "config", configs[source]["verdict"]
-    return {"config": name, "engine": results.get(name, {}).get("engine"), "command": results.get(name, {}).get("command"),
-            "measured": measured, "verdict": verdict, "throughput_ratio": ratios(name), "kind": kind, "based_on": source,
-            "reason": reason}
+def _recommendation(result: GateResult) -> dict[str, Any]:
+    advice = result.advice
+    baseline = result.runs.get("baseline")
+    if advice.kind == "off" or result.config is None:
+        return {"kind": "off", "config": "off", "based_on": advice.based_on, "reason": advice.reason, "verdict": result.verdict,
+                "command": baseline.command if baseline else None, "engine": baseline.engine if baseline else None, "measured": bool(baseline and baseline.windows),
+                "throughput_ratio": {}, "within_noise": advice.within_noise, "gamma_table": None}
+    decided = result.decision(result.config)
+    run = result.runs[result.config]
+    return {
+        "kind": advice.kind, "config": result.config, "based_on": advice.based_on, "reason": advice.reason, "verdict": result.verdict,
+        "command": run.command, "engine": run.engine, "measured": bool(run.windows) and not run.failure,
+        "throughput_ratio": {a.load: (a.throughput_ratio.to_dict() if a.throughput_ratio else None) for a in (decided.loads if decided else [])},
+        "within_noise": advice.within_noise, "gamma_table": advice.gamma_table,
+    }
 
 
-def _measured_better(source: str | None, name: str, configs: dict, results: dict, concurrency: int) -> bool:
-    """Whether the configuration a schedule was derived from measured better than the schedule's own run: GO where
-    the schedule is not, or as GO (or as NO-GO) with more output tokens/s at the target concurrency. A schedule
-    fills in gammas the analysis predicts from one measured gamma; when its run is slower, what ran is the advice.
-    Only for a schedule: a configuration recommended as it ran is launched again, and taking the better of its two
-    runs would pick noise."""
-    from specgate.gate.recommend import throughput
-
-    if source not in configs or results[source].get("failure"):
-        return False
-    ours, theirs = throughput(results[name], concurrency), throughput(results[source], concurrency)
-    go, source_go = configs[name]["verdict"] == "GO", configs[source]["verdict"] == "GO"
-    if go != source_go:
-        return source_go
-    return ours is not None and theirs is not None and theirs > ours
-
-
-def _headline(configs: dict[str, Any], results: dict[str, dict], concurrency: int) -> str | None:
-    """The configuration the verdict speaks for: a GO one if any (best throughput), else the one closest to GO."""
-    def throughput(name: str) -> float:
-        level = next((lv for lv in results[name].get("sweep", []) if lv.get("concurrency") == concurrency), {})
-        return level.get("output_tokens_per_s") or 0.0
-
-    def key(name: str) -> tuple:
-        c = configs[name]
-        lossless = not results[name].get("lossy")
-        return (c["verdict"] == "GO", lossless, sum(x["pass"] for x in c["criteria"]), throughput(name))
-
-    return max(configs, key=key) if configs else None
-
-
-# ------------------------------------------------------------------------------------------ plots
-
-
-def _png(fig: Any) -> str:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _num(x: Any) -> float:
-    return float(x) if isinstance(x, (int, float)) and x is not None and math.isfinite(x) else float("nan")
-
-
-def _concurrency_axis(ax: Any, levels: list[int]) -> None:
-    if levels:  # nothing measured (every server failed to start): a linear, empty axis
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(n) for n in levels])
-        ax.minorticks_off()
-
-
-def make_plots(report: dict[str, Any]) -> dict[str, str]:
-    """name -> base64 PNG: throughput and ITL vs concurrency, acceptance per category / position, predicted vs measured."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results = report["measurements"]
-    colour = {name: f"C{i}" for i, name in enumerate(results)}  # one colour per configuration in every plot
-    levels = sorted({lv["concurrency"] for r in results.values() for lv in r.get("sweep") or []})
-    plots = {}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for name, r in results.items():
-        sweep = r.get("sweep") or []
-        xs = [lv["concurrency"] for lv in sweep]
-        ax1.plot(xs, [_num(lv.get("output_tokens_per_s")) for lv in sweep], "o-", color=colour[name], label=name)
-        ax2.plot(xs, [_num(lv.get("itl_p95_s")) * 1e3 for lv in sweep], "o-", color=colour[name], label=f"{name} p95")
-        ax2.plot(xs, [_num(lv.get("itl_p50_s")) * 1e3 for lv in sweep], "x--", color=colour[name], alpha=0.6, label=f"{name} p50")
-    ax1.set(xlabel="concurrency (closed loop)", ylabel="output tokens/s", title="Throughput vs concurrency")
-    ax2.set(xlabel="concurrency (closed loop)", ylabel="ITL per token (ms)", title="ITL vs concurrency")
-    for ax in (ax1, ax2):
-        _concurrency_axis(ax, levels)
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    plots["throughput_itl"] = _png(fig)
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    spec_names = [n for n in results if n != "baseline"]
-    categories = sorted({c for n in spec_names for c in (results[n].get("per_category") or {})})
-    width = 0.8 / max(len(spec_names), 1)
-    for i, name in enumerate(spec_names):
-        per_cat = results[name].get("per_category") or {}
-        values = [_num((per_cat.get(c) or {}).get("acceptance_rate")) for c in categories]
-        ax1.bar([j + i * width for j in range(len(categories))], values, width, color=colour[name], label=name)
-        rates = ((results[name].get("spec_total") or {}).get("per_position_rate")) or []
-        ax2.plot(range(1, len(rates) + 1), rates, "o-", color=colour[name], label=name)
-        if rates:
-            ax2.set_xticks(range(1, len(rates) + 1))
-    ax1.set_xticks([j + width * (len(spec_names) - 1) / 2 for j in range(len(categories))], categories)
-    ax1.set(ylabel="acceptance rate (AR)", title="Acceptance per category (concurrency 1)", ylim=(0, 1))
-    ax2.set(xlabel="draft position", ylabel="accepted / drafts (marginal)", title="Acceptance per position", ylim=(0, 1))
-    for ax in (ax1, ax2):
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    plots["acceptance"] = _png(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name, c in report["configs"].items():
-        rows = c["analysis"]["per_concurrency"]
-        xs = [r["concurrency"] for r in rows]
-        ax.plot(xs, [_num(r["predicted_speedup"]) for r in rows], "s--", color=colour.get(name), label=f"{name} predicted")
-        ax.plot(xs, [_num(r["measured_speedup"]) for r in rows], "o-", color=colour.get(name), label=f"{name} measured")
-    ax.axhline(1.0, color="grey", lw=1)
-    ax.set(xlabel="concurrency", ylabel="speedup over baseline", title="Predicted (theory) vs measured speedup")
-    _concurrency_axis(ax, levels)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    plots["speedup"] = _png(fig)
-    return plots
-
-
-# ------------------------------------------------------------------------------------------ text outputs
+# ------------------------------------------------------------------------------------------ text
 
 
 def _f(x: Any, digits: int = 3) -> str:
@@ -264,99 +123,80 @@ def _f(x: Any, digits: int = 3) -> str:
     return str(x)
 
 
-def _sweep_rows(report: dict[str, Any]) -> list[list[str]]:
-    rows = []
-    for name, r in report["measurements"].items():
-        for lv in r.get("sweep") or []:
-            spec = lv.get("spec") or {}
-            rows.append([name, str(lv["concurrency"]), _f(lv.get("output_tokens_per_s")), _f(lv.get("requests_per_s")),
-                         _f(_ms(lv.get("ttft_p50_s"))), _f(_ms(lv.get("ttft_p95_s"))), _f(_ms(lv.get("itl_p50_s"))),
-                         _f(_ms(lv.get("itl_p95_s"))), _f(_ms(lv.get("tpot_p50_s"))), _f(spec.get("acceptance_rate")),
-                         _f(spec.get("acceptance_length")), f"{lv.get('ok')}/{lv.get('requests')}"])
-    return rows
+def _iv(d: dict[str, Any] | None, digits: int = 3) -> str:
+    """An interval dict as 'estimate [low, high]' (an unbounded side, null in JSON, shows as -inf / inf)."""
+    if not d:
+        return "n/a"
+    low = "-inf" if d.get("low") is None else _f(d["low"], digits)
+    high = "inf" if d.get("high") is None else _f(d["high"], digits)
+    return f"{_f(d['estimate'], digits)} [{low}, {high}]"
 
 
-SWEEP_HEADER = ["config", "conc.", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "TPOT p50 ms", "AR", "AL", "ok"]
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else x * 1e3
-
-
-def _schedule_text(config: dict[str, Any]) -> str:
-    s = config["schedule"]
-    if s["vllm_speculative_config"] is None:  # a specgate EAGLE head: only specgate runs it
-        return "\n".join([f"specgate serve {s['specgate']}", f"# {s['sglang_note']}"])
-    return "\n".join([
-        f"vLLM --speculative-config '{json.dumps(s['vllm_speculative_config'])}'",
-        f"SGLang: {' '.join(s['sglang_flags']) or '(no speculation)'}  # {s['sglang_note']}",
-        f"TensorRT-LLM: {json.dumps(s['tensorrt_llm'])}",
-        f"specgate serve {s['specgate']}",
-    ])
-
-
-def _result(c: dict[str, Any]) -> str:
-    return ("PASS" if c["pass"] else "FAIL") + ("" if c.get("binding", True) else " (target)")
+def _state(c: dict[str, Any]) -> str:
+    return c["state"] + ("" if c.get("binding", True) else " (target)")
 
 
 def recommendation_lines(report: dict[str, Any]) -> list[str]:
-    """The headline: what to deploy, the command to paste, and the verdict of its own measured run."""
+    """The headline: what to deploy, the command to paste, and the verdict of its own measured rounds."""
     r = report["recommendation"]
     if r["kind"] == "off":
-        return [f"**Recommendation: serve without speculation** ({r['reason']}).",
-                *([f"", "```", r["command"], "```"] if r.get("command") else [])]
-    ratios = ", ".join(f"C={c}: {_f(v)}x" for c, v in r["throughput_ratio"].items())
-    origin = "as it ran" if r["config"] == r["based_on"] else f"{r['kind']}, from `{r['based_on']}`"
-    lines = [f"**Recommendation: `{r['config']}`** on {r['engine']} ({origin}), measured as its own "
-             f"configuration: **{r['verdict']}**; throughput vs the baseline {ratios or 'n/a'}.", "", f"Why: {r['reason']}."]
-    if r.get("command"):
-        lines += ["", "```", r["command"], "```"]
-    return lines
+        return [f"**Recommendation: serve without speculation** ({r['reason']}).", *(["", "```", r["command"], "```"] if r.get("command") else [])]
+    ratios = ", ".join(f"{load}: {_iv(v)}" for load, v in r["throughput_ratio"].items()) or "n/a"
+    origin = "as it ran" if r["kind"] == "config" else f"{r['kind']}, from `{r['based_on']}`"
+    lines = [f"**Recommendation: `{r['config']}`** on {r['engine']} ({origin}), measured again in its own paired rounds: "
+             f"**{r['verdict']}**; throughput vs the baseline {ratios}.", "", f"Why: {r['reason']}."]
+    return lines + (["", "```", r["command"], "```"] if r.get("command") else [])
+
+
+def criteria_rows(criteria: list[dict[str, Any]]) -> list[list[str]]:
+    return [[c["name"], c.get("load") or "", _iv(c.get("interval")) if c.get("interval") else _f(c.get("estimate")), _f(c.get("threshold")),
+             _state(c), c["reason"] + (f" To decide: {c['needed']}." if c.get("needed") else "")] for c in criteria]
+
+
+def load_rows(config: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for a in config["loads"]:
+        acc = a["acceptance"]
+        rows.append([a["load"], "yes" if a["speculating"] else "no", str(a["rounds"]), _iv(a["throughput_ratio"]), _iv(a["decode_speedup"]),
+                     _iv(acc.get("alpha")), _iv(acc.get("alpha_min")), _iv(acc.get("c")), _f(acc.get("draft_len")), str(a["recommended_gamma"]), a["verdict"]])
+    return rows
+
+
+LOAD_HEADER = ["load", "speculating", "rounds", "throughput ratio", "predicted S (decode)", "alpha", "alpha_min", "c", "g", "schedule gamma", "rule"]
+CRITERIA_HEADER = ["criterion", "load", "estimate [interval]", "threshold", "result", "why"]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def render_markdown(report: dict[str, Any]) -> str:
     lines = [f"# specgate gate: **{report['verdict']}**" + (f" for `{report['config']}`" if report["config"] else ""), ""]
     lines += recommendation_lines(report) + [""]
     lines += [f"- {note}" for note in report["notes"]] + ([""] if report["notes"] else [])
-    lines += ["## Criteria", "", "| criterion | value | threshold | result | reason |", "|---|---|---|---|---|"]
-    for c in report["criteria"]:
-        lines.append(f"| {c['name']} | {_f(c['value'])} | {_f(c['threshold'])} | {_result(c)} | {c['reason']} |")
+    lines += ["## Criteria", ""] + _table(CRITERIA_HEADER, criteria_rows(report["criteria"]))
+    for name, stage in report["stages"].items():
+        lines += ["", f"Stage `{name}`: {stage['blocks']} blocks of paired rounds over loads {', '.join(stage['loads'])} in {stage['wall_s']:.0f} s; "
+                  f"intervals at {stage['level']:.2%} ({stage['looks']} planned look(s), 95% family-wise)."]
     for name, c in report["configs"].items():
-        acc = c.get("acceptance") or {}
-        lines += ["", f"## Configuration `{name}` ({c.get('engine') or 'unknown'}): {c['verdict']}", ""]
+        lines += ["", f"## `{name}` ({c.get('engine') or 'unknown'}, {c['stage']}): {c['verdict']}", ""]
         if c.get("command"):
             lines += ["```", c["command"], "```", ""]
-        lines.append(f"Acceptance ({acc.get('source') or 'not reported by the engine'}): AR {_f(acc.get('ar'))}, AL {_f(acc.get('al'))}, "
-                     f"per position {_f(acc.get('per_position') or None)}.")
-        if name != report["config"]:
-            failed = [x["name"] for x in c["criteria"] if not x["pass"]]
-            lines.append(f"Failed criteria: {', '.join(failed) or 'none'}.")
-        a = c["analysis"]
-        lines += ["", f"alpha_min {_f(a['alpha_min'])} (gamma {a['alpha_min_gamma']}, c {_f(a['alpha_min_c'])}); "
-                  f"speculation pays at concurrency {a['paying_concurrency'] or 'none'} (range {a['paying_range'] or 'none'}).", "",
-                  "| concurrency | alpha | c | predicted S | measured S | best gamma | recommended gamma |", "|---|---|---|---|---|---|---|"]
-        for r in a["per_concurrency"]:
-            lines.append(f"| {r['concurrency']} | {_f(r['alpha'])} | {_f(r['c'])} | {_f(r['predicted_speedup'])} | {_f(r['measured_speedup'])} | {_f(r['best_gamma'])} | {r['recommended_gamma']} |")
-        lines += ["", "Recommended schedule:", "", "```", _schedule_text(c), "```"]
-        q = report["quality"][name]
-        for m in q["greedy"]["mismatches"]:
+        acc = c.get("acceptance") or {}
+        lines += [f"Acceptance over every phase ({acc.get('source') or 'not reported by the engine'}): AR {_f(acc.get('ar'))}, AL {_f(acc.get('al'))}, "
+                  f"per position {_f(acc.get('per_position') or None)}.", ""]
+        lines += _table(LOAD_HEADER, load_rows(c))
+        failing = [x for x in c["criteria"] if x["state"] in ("FAIL", "UNDECIDED") and x["binding"]]
+        lines += ["", "Binding criteria not passed: " + ("; ".join(f"{x['name']} {x['state']}" for x in failing) or "none") + "."]
+        lines += ["", "Schedule:", "", "```", _schedule_text(c["schedule"]), "```"]
+        for m in c["quality"]["greedy"]["mismatches"]:
             at = f"token {m['first_diff_token']}" if m.get("first_diff_token") is not None else f"char {m['first_diff_char']}"
             lines.append(f"- greedy mismatch `{m['prompt_id']}` ({m.get('category')}) from {at}, after {m.get('context', '')!r}: "
                          f"baseline {m['baseline']!r} vs speculative {m['speculative']!r}")
-    lines += ["", "## Load sweep (closed loop)", "", "| " + " | ".join(SWEEP_HEADER) + " |", "|" + "---|" * len(SWEEP_HEADER)]
-    lines += ["| " + " | ".join(row) + " |" for row in _sweep_rows(report)]
-    lines += ["", "## Per category (closed loop, concurrency 1)", "", "| config | category | AR | AL | out tok/s | TTFT p50 ms | TPOT p50 ms |",
-              "|---|---|---|---|---|---|---|"]
-    for name, r in report["measurements"].items():
-        for category, latency in (r.get("per_category_latency") or {}).items():
-            window = (r.get("per_category") or {}).get(category) or {}
-            lines.append(f"| {name} | {category} | {_f(window.get('acceptance_rate'))} | {_f(window.get('acceptance_length'))} | "
-                         f"{_f(latency.get('output_tokens_per_s'))} | {_f(_ms(latency.get('ttft_p50_s')))} | {_f(_ms(latency.get('tpot_p50_s')))} |")
-    lines += ["", "## Open loop (Poisson arrivals)", ""]
-    for name, r in report["measurements"].items():
-        p = r.get("poisson") or {}
-        lines.append(f"- {name}: {_f(p.get('qps'))} QPS offered, {_f(p.get('output_tokens_per_s'))} output tok/s, "
-                     f"{_f(p.get('requests_per_s'))} req/s, TTFT p95 {_f(_ms(p.get('ttft_p95_s')))} ms, ITL p95 {_f(_ms(p.get('itl_p95_s')))} ms")
+    lines += ["", "## Latency at each load (configuration - baseline, ms, request-level bootstrap)", ""]
+    rows = [[name, a["load"], *(_iv(a["latency_ms"].get(k)) for k in ("ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "e2e_p50"))]
+            for name, c in report["configs"].items() for a in c["loads"]]
+    lines += _table(["config", "load", "TTFT p50", "TTFT p95", "ITL p50", "ITL p95", "e2e p50"], rows)
     lines += ["", "## Memory", ""]
     for name, r in report["measurements"].items():
         m = r.get("memory") or {}
@@ -370,73 +210,169 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _schedule_text(s: dict[str, Any]) -> str:
+    if not s:
+        return "(no schedule)"
+    if s.get("vllm_speculative_config") is None:  # a specgate EAGLE head: only specgate runs it
+        return "\n".join([f"specgate serve {s['specgate']}", f"# {s['sglang_note']}"])
+    return "\n".join([
+        f"vLLM --speculative-config '{json.dumps(s['vllm_speculative_config'])}'",
+        f"SGLang: {' '.join(s['sglang_flags']) or '(no speculation)'}  # {s['sglang_note']}",
+        f"TensorRT-LLM: {json.dumps(s['tensorrt_llm'])}",
+        f"specgate serve {s['specgate']}",
+    ])
+
+
+# ------------------------------------------------------------------------------------------ plots
+
+
+def _png(fig: Any) -> str:
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _num(x: Any) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else float("nan")
+
+
+def _ratio_plot(report: dict[str, Any], ax: Any, key: str, title: str) -> None:
+    """Each configuration's `key` interval per load, as a point with its interval; 1 and 1 - margin marked."""
+    loads = sorted({a["load"] for c in report["configs"].values() for a in c["loads"]}, key=_load_order)
+    configs = list(report["configs"].items())
+    width = 0.7 / max(len(configs), 1)
+    for i, (name, c) in enumerate(configs):
+        by_load = {a["load"]: a.get(key) for a in c["loads"]}
+        xs, ys, lo, hi = [], [], [], []
+        for j, load in enumerate(loads):
+            iv = by_load.get(load)
+            if iv and iv.get("low") is not None and iv.get("high") is not None:
+                xs.append(j - 0.35 + width * (i + 0.5))
+                ys.append(iv["estimate"])
+                lo.append(iv["estimate"] - iv["low"])
+                hi.append(iv["high"] - iv["estimate"])
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, color=f"C{i}", label=f"{name} ({c['stage']})")
+    ax.axhline(1.0, color="grey", lw=1)
+    margin = report["options"]["margin"]
+    if key == "throughput_ratio":
+        ax.axhline(1.0 - margin, color="C3", lw=1, ls="--", label=f"1 - margin ({margin:g})")
+    ax.set_xticks(range(len(loads)), loads)
+    ax.set(xlabel="load (closed-loop concurrency cN, open-loop poisson)", title=title)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def _load_order(load: str) -> tuple[int, int]:
+    return (1, 0) if not load[1:].isdigit() else (0, int(load[1:]))
+
+
+def make_plots(report: dict[str, Any]) -> dict[str, str]:
+    """name -> base64 PNG: the throughput ratio per load with intervals, predicted vs measured, absolute throughput, acceptance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = {}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    _ratio_plot(report, ax1, "throughput_ratio", "Throughput ratio over the baseline (interval per load)")
+    ax1.set_ylabel("configuration / baseline")
+    _ratio_plot(report, ax2, "decode_speedup", "Predicted (decode) speedup: above 1 iff alpha > alpha_min")
+    plots["throughput_ratio"] = _png(fig)
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    for i, (name, run) in enumerate(report["measurements"].items()):
+        by_load: dict[str, list[float]] = {}
+        for w in run.get("windows") or []:
+            by_load.setdefault(w["load"], []).append(w["tokens_per_s"])
+        loads = sorted((x for x in by_load if x != "poisson"), key=_load_order)
+        ax1.plot([int(x[1:]) for x in loads], [sum(by_load[x]) / len(by_load[x]) for x in loads], "o-", color=f"C{i}", label=name)
+    ax1.set(xlabel="concurrency (closed loop)", ylabel="output tokens/s (mean of rounds)", title="Throughput")
+    ax1.set_xscale("log", base=2)
+    if ax1.get_legend_handles_labels()[0]:
+        ax1.legend(fontsize=7)
+    ax1.grid(alpha=0.3)
+    _acceptance_plot(report, ax2)
+    plots["throughput_acceptance"] = _png(fig)
+    return plots
+
+
+def _acceptance_plot(report: dict[str, Any], ax: Any) -> None:
+    for i, (name, c) in enumerate(report["configs"].items()):
+        rates = (c.get("acceptance") or {}).get("per_position") or []
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, "o-", color=f"C{i}", label=name)
+    ax.set(xlabel="draft position", ylabel="accepted / drafts (marginal)", title="Acceptance per position", ylim=(0, 1))
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+# ------------------------------------------------------------------------------------------ html and files
+
+
 def render_html(report: dict[str, Any], plots: dict[str, str]) -> str:
     """A self-contained page: no external resources, plots as data: URIs."""
     e = html.escape
     verdict = report["verdict"]
-    colour = "#1a7f37" if verdict == "GO" else "#b42318"
-    rows = "".join(
-        f"<tr class='{'pass' if c['pass'] else 'fail'}'><td>{e(c['name'])}</td><td>{e(_f(c['value']))}</td><td>{e(_f(c['threshold']))}</td>"
-        f"<td>{_result(c)}</td><td>{e(c['reason'])}</td></tr>" for c in report["criteria"]
-    )
+    colour = {"GO": "#1a7f37", "NO-GO": "#b42318"}.get(verdict, "#9a6700")
+    rows = "".join(f"<tr class='{e(c['state'].lower())}'>" + "".join(f"<td>{e(x)}</td>" for x in row) + "</tr>"
+                   for c, row in zip(report["criteria"], criteria_rows(report["criteria"])))
     rec = report["recommendation"]
-    recommendation = (f"<div id='recommendation'><h2>Recommendation: {e(rec['config'])} ({e(rec['verdict'])})</h2><p>{e(rec['reason'])}</p>"
+    recommendation = (f"<div id='recommendation'><h2>Recommendation: {e(str(rec['config']))} ({e(rec['verdict'])})</h2><p>{e(rec['reason'])}</p>"
                       + (f"<pre>{e(rec['command'])}</pre>" if rec.get("command") else "") + "</div>")
+    configs = "".join(
+        f"<h3>{e(name)} ({e(c['stage'])}): {e(c['verdict'])}</h3><table class='loads'><tr>{''.join(f'<th>{e(h)}</th>' for h in LOAD_HEADER)}</tr>"
+        + "".join("<tr>" + "".join(f"<td>{e(x)}</td>" for x in row) + "</tr>" for row in load_rows(c)) + "</table>"
+        f"<pre>{e(_schedule_text(c['schedule']))}</pre>" for name, c in report["configs"].items())
     mismatches = "".join(
         f"<li><code>{e(name)}</code> / <code>{e(m['prompt_id'])}</code> from "
         f"{e('token ' + str(m['first_diff_token']) if m.get('first_diff_token') is not None else 'char ' + str(m['first_diff_char']))}:"
         f"<br>baseline: <code>{e(m['baseline'])}</code><br>speculative: <code>{e(m['speculative'])}</code></li>"
-        for name, q in report["quality"].items() for m in q["greedy"]["mismatches"]
-    )
-    sweep = "".join("<tr>" + "".join(f"<td>{e(x)}</td>" for x in row) + "</tr>" for row in _sweep_rows(report))
-    images = "".join(
-        f"<figure><img class='plot' id='plot-{e(name)}' alt='{e(name)}' src='data:image/png;base64,{data}'></figure>" for name, data in plots.items()
-    )
+        for name, c in report["configs"].items() for m in c["quality"]["greedy"]["mismatches"])
+    images = "".join(f"<figure><img class='plot' id='plot-{e(name)}' alt='{e(name)}' src='data:image/png;base64,{data}'></figure>" for name, data in plots.items())
     notes = "".join(f"<li>{e(n)}</li>" for n in report["notes"])
-    schedules = "".join(f"<h3>{e(name)}: {e(c['verdict'])}</h3><pre>{e(_schedule_text(c))}</pre>" for name, c in report["configs"].items())
-    configs = "".join(
-        f"<tr><td>{e(name)}</td><td>{e(str(c.get('engine')))}</td><td>{e(c['verdict'])}</td><td>{e(_f((c.get('acceptance') or {}).get('ar')))}</td>"
-        f"<td>{e(', '.join(x['name'] for x in c['criteria'] if not x['pass']) or 'none')}</td>"
-        f"<td>{e(report['measurements'][name].get('failure') or '')}</td></tr>" for name, c in report["configs"].items()
-    )
     definitions = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in report["definitions"].items())
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>specgate gate: {e(verdict)}</title>
 <style>
 body {{ font-family: sans-serif; margin: 2em; max-width: 1200px; }}
 #verdict {{ font-size: 2.4em; font-weight: bold; color: {colour}; }}
-table {{ border-collapse: collapse; font-size: 0.9em; }} td, th {{ border: 1px solid #ccc; padding: 3px 6px; }}
-tr.pass td:nth-child(4) {{ color: #1a7f37; font-weight: bold; }} tr.fail td:nth-child(4) {{ color: #b42318; font-weight: bold; }}
+table {{ border-collapse: collapse; font-size: 0.85em; }} td, th {{ border: 1px solid #ccc; padding: 3px 6px; vertical-align: top; }}
+tr.pass td:nth-child(5) {{ color: #1a7f37; font-weight: bold; }} tr.fail td:nth-child(5) {{ color: #b42318; font-weight: bold; }}
+tr.undecided td:nth-child(5) {{ color: #9a6700; font-weight: bold; }}
 img.plot {{ max-width: 100%; }} pre {{ background: #f6f8fa; padding: 8px; overflow-x: auto; }}
 </style></head><body>
 <h1>specgate gate</h1>
 <p id="verdict">{e(verdict)}</p>
-<p>Configuration: <code>{e(str(report['config']))}</code>; target concurrency {report['thresholds']['target_concurrency']}; wall time {report['wall_s']:.1f} s.</p>
+<p>Configuration: <code>{e(str(report['config']))}</code>; wall time {report['wall_s']:.1f} s.</p>
 <ul>{notes}</ul>
 {recommendation}
-<h2>Configurations</h2>
-<table id="configs"><tr><th>configuration</th><th>engine</th><th>verdict</th><th>AR</th><th>failed criteria</th><th>failure</th></tr>{configs}</table>
-<h2>Greedy mismatches</h2><ul id="mismatches">{mismatches or '<li>none</li>'}</ul>
 <h2>Criteria of <code>{e(str(report['config']))}</code></h2>
-<table id="criteria"><tr><th>criterion</th><th>value</th><th>threshold</th><th>result</th><th>reason</th></tr>{rows}</table>
+<table id="criteria"><tr>{''.join(f'<th>{e(h)}</th>' for h in CRITERIA_HEADER)}</tr>{rows}</table>
 <h2>Plots</h2>{images}
-<h2>Load sweep</h2>
-<table><tr>{''.join(f'<th>{e(h)}</th>' for h in SWEEP_HEADER)}</tr>{sweep}</table>
-<h2>Recommended schedules</h2>{schedules}
+<h2>Configurations</h2>{configs}
+<h2>Greedy mismatches</h2><ul id="mismatches">{mismatches or '<li>none</li>'}</ul>
 <h2>Definitions</h2><dl>{definitions}</dl>
 </body></html>
 """
 
 
-def write_outputs(out: Path, report: dict[str, Any], records: list[dict]) -> dict[str, str]:
-    """Write report.json, report.md, report.html and requests.jsonl into `out`; returns their paths."""
-    plots = make_plots(report)
+def write_outputs(out: Path, report: dict[str, Any], records: list[dict]) -> dict[str, Any]:
+    """Write report.json, report.md, report.html and requests.jsonl into `out`; returns the report as written
+    (JSON values: an unbounded interval side is null), with `files`."""
     paths = {"json": out / "report.json", "markdown": out / "report.md", "html": out / "report.html", "requests": out / "requests.jsonl"}
     report["files"] = {k: str(v) for k, v in paths.items()}
-    paths["json"].write_text(json.dumps(jsonable(report), indent=1) + "\n")
+    report = jsonable(report)
+    plots = make_plots(report)
+    paths["json"].write_text(json.dumps(report, indent=1) + "\n")
     paths["markdown"].write_text(render_markdown(report))
     paths["html"].write_text(render_html(report, plots))
     with open(paths["requests"], "w") as f:
         for record in records:
             f.write(json.dumps(jsonable(record)) + "\n")
-    return report["files"]
+    return report

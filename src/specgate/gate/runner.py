@@ -1,139 +1,50 @@
-"""Run the gate: start (or reach) the servers, measure every configuration phase by phase, score quality,
-decide, write the report.
+"""Run the gate: start (or reach) the servers, measure them as an experiment, decide once, write the report.
 
-Embedded mode (default): one `specgate serve` subprocess per configuration on 127.0.0.1 with a free port,
-one at a time (so two servers never share the cores): the baseline (`--draft none`), then each speculative
-draft (`--policy fixed --gamma G`, so the measured gamma is the configured one). External mode: the
-`--baseline-endpoint` and `--endpoint` URLs (any OpenAI-compatible engine) with their Prometheus `/metrics`
-(or `--metrics-url`), read before and after each phase.
-
-Phases per configuration, in order (each one's counters are the delta over that phase):
-  warmup -> c1:<category> (closed loop, concurrency 1, greedy, one phase per category: per-category
-  acceptance, the greedy outputs for exact match, step times) -> c<n> for the other concurrencies ->
-  poisson (open loop at --qps) -> math (greedy, few-shot) -> sample (temperature 1, seeded per prompt).
-A server that dies (or stops answering) ends its configuration: what was measured is kept, the rest of its
-phases are skipped, and the configuration records which phase failed and why.
+Embedded mode (default), in order:
+1. The baseline's server starts first (it prepares the target's caches), then every configuration's server whose
+   memory fits beside it (the rest wait for a later group); the target is loaded in this process to score quality.
+2. Fixed work per server, one server at a time: a warm-up request; the greedy phase, one per category, batched
+   (acceptance per category, the texts for exact match: a batch-variant engine shows its divergences there); the
+   math set; the sampled continuations, scored by the target at once.
+3. Screening: `--rounds` blocks of paired rounds (rounds.py) over the baseline and every configuration, at every
+   closed-loop concurrency; each configuration is decided on them (decision.decide_config).
+4. The recommendation, chosen on the screening's intervals (decision.choose): a configuration, its schedule
+   (a new `--policy table` server, with its own fixed work) or no speculation.
+5. Confirmation: the recommendation against the baseline in fresh paired rounds, at every concurrency and under
+   open-loop Poisson arrivals, block after block until every binding criterion that more rounds can decide is
+   decided or `--budget-s` is spent. Each look decides at 95% family-wise over the looks the budget allows
+   (Bonferroni), so stopping early does not inflate the error rate. The verdict is the confirmation's.
+External mode: the two endpoints are the baseline and the one configuration: fixed work, then the confirmation.
+A server that dies (or stops answering) ends its configuration: what was measured is kept, its failure is named.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import math
 import os
 import shutil
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from specgate.gate import client as gate_client
-from specgate.gate import decision, launch, prom, quality, recommend
-from specgate.gate.launch import Endpoint, ServerStartError
+from specgate.gate import decision, launch, prom, quality, rounds, stats
 from specgate.gate import workload as wl
+from specgate.gate.launch import Endpoint, ServerStartError
+from specgate.gate.options import QPS_FRACTION, GateOptions, resolve_dtype
+from specgate.gate.records import ConfigRun
 
+SCREEN, CONFIRM = "screen", "confirm"
+STAGES = (SCREEN, CONFIRM)
+RECOMMENDED = "recommended"
+MEMORY_SHARE = 0.7  # servers kept up together may take this share of the memory available when the baseline is up
+BASELINE = "baseline"
 
-
-@dataclass
-class GateOptions:
-    out: Path
-    target: str = "gemma-3-270m"
-    drafts: list[str] = field(default_factory=lambda: ["default", "ngram"])  # specgate: --draft (each at --policy fixed)
-    gamma: int = 4
-    gammas: list[int] = field(default_factory=list)  # every draft length to try (--gamma 2,4,8); [gamma] when empty
-    dtype: str = "auto"  # what `specgate serve` loads the target in: the gate measures the deployment a user runs
-    lossy: str | None = None  # embedded: add one LOSSY configuration (ngram drafts, --lossy SPEC) to the comparison
-    engine: str | None = None  # the engine to launch (default specgate) or behind --endpoint (default: read from its answers)
-    specs: list[str] = field(default_factory=list)  # --spec: the engine's speculative methods (default per engine)
-    server_cmd: str | None = None  # a launch template for any engine: {port}, {gamma}, {model}
-    baseline_cmd: str | None = None
-    threads: int | None = None  # llama.cpp: -t (default: every core)
-    adaptive: bool = True  # specgate: also measure --policy adaptive on the best fixed draft
-    recommend: bool = True  # launch and measure the recommended configuration
-    endpoint: str | None = None
-    baseline_endpoint: str | None = None
-    metrics_urls: list[str] = field(default_factory=list)  # external: [spec, baseline] metrics URLs (default URL/metrics)
-    model: str | None = None
-    api_key: str | None = None
-    workload: str = wl.BUILTIN
-    math: str = wl.BUILTIN
-    text: str = wl.BUILTIN
-    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    qps: float = 1.0
-    per_category: int = 6
-    requests_per_level: int = 16
-    poisson_requests: int = 16
-    max_tokens: int = 64
-    greedy_tokens: int = 128  # tokens per prompt of the concurrency-1 greedy phase (exact match, acceptance per category)
-    math_items: int = 40
-    sample_prompts: int = 24
-    max_num_seqs: int = 8
-    max_seq_len: int = 1024
-    seed: int = 0
-    score: bool = True  # score perplexity / sampled log-likelihood with the target's weights in this process
-    request_timeout_s: float = 300.0
-    thresholds: decision.Thresholds = field(default_factory=decision.Thresholds)
-
-    @staticmethod
-    def quick(out: Path) -> "GateOptions":
-        """~5 minutes of gate work on Gemma-3-270M on 2 cores (plus model loading)."""
-        return GateOptions(out=out, concurrency=[1, 4], per_category=2, requests_per_level=6, poisson_requests=5, qps=1.0,
-                           max_tokens=24, greedy_tokens=64, math_items=8, sample_prompts=8, max_num_seqs=4, max_seq_len=512)
-
-    @property
-    def external(self) -> bool:
-        return self.endpoint is not None or self.baseline_endpoint is not None
-
-    def launch_options(self) -> launch.LaunchOptions:
-        engine = self.engine or ("unknown" if self.server_cmd or self.baseline_cmd else "specgate")  # a template's engine: read from its server
-        specs = self.specs or (self.drafts if engine == "specgate" else launch.DEFAULT_SPECS.get(engine, []))
-        return launch.LaunchOptions(
-            engine=engine, target=self.target, specs=list(specs), gamma=self.gamma, gammas=list(self.gammas),
-            max_num_seqs=self.max_num_seqs, max_seq_len=self.max_seq_len, dtype=resolve_dtype(self.dtype, self.target), lossy=self.lossy,
-            model=self.model, threads=self.threads, server_cmd=self.server_cmd, baseline_cmd=self.baseline_cmd,
-        )
-
-    def validate(self) -> None:
-        if self.external and not (self.endpoint and self.baseline_endpoint):
-            raise ValueError("external mode needs both --endpoint URL (speculative) and --baseline-endpoint URL (no speculation)")
-        if self.external and (self.server_cmd or self.baseline_cmd):
-            raise ValueError("--endpoint / --baseline-endpoint reach running servers; --server-cmd / --baseline-cmd start them: give one pair")
-        if self.engine not in (*launch.ENGINES, "unknown", None):
-            raise ValueError(f"--engine {self.engine!r} is not known: use one of {', '.join(launch.ENGINES)}")
-        for url in [self.endpoint, self.baseline_endpoint, *self.metrics_urls]:
-            if url is not None and not url.startswith(("http://", "https://")):
-                raise ValueError(f"URL {url!r} must start with http:// or https://")
-        if len(self.metrics_urls) > 2:
-            raise ValueError(f"--metrics-url given {len(self.metrics_urls)} times: give at most 2 (speculative, then baseline)")
-        if not self.concurrency or any(c < 1 for c in self.concurrency):
-            raise ValueError(f"--concurrency {self.concurrency} must be a list of integers >= 1, e.g. 1,2,4,8")
-        self.concurrency = sorted(set(self.concurrency))
-        if self.thresholds.target_concurrency not in self.concurrency:
-            raise ValueError(
-                f"--target-concurrency {self.thresholds.target_concurrency} is not among the measured --concurrency "
-                f"{','.join(map(str, self.concurrency))}: add it to --concurrency or pick one of them"
-            )
-        self.gammas = self.gammas or [self.gamma]
-        self.gamma = self.gammas[0]
-        for g in self.gammas:
-            if not 1 <= g <= 64:
-                raise ValueError(f"--gamma {g} is out of range 1..64 (draft tokens per step)")
-        for name in ("per_category", "requests_per_level", "poisson_requests", "max_tokens", "greedy_tokens", "math_items", "sample_prompts", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
-        if not self.qps > 0:
-            raise ValueError(f"--qps {self.qps} must be > 0 (Poisson arrival rate, requests per second)")
-        if not self.external and self.engine in (None, "specgate") and not self.server_cmd and self.target != "gemma-3-270m" \
-                and not Path(self.target).expanduser().exists():
-            raise ValueError(f"--target {self.target!r} does not exist: give gemma-3-270m, a local HF directory or a .gguf file")
-        if self.dtype not in GATE_WEIGHTS:
-            raise ValueError(f"--dtype {self.dtype!r} is not supported: use one of {', '.join(GATE_WEIGHTS)}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"--threads {self.threads} must be >= 1")
-        self.thresholds.validate()
-        if not self.external:
-            launch.build_profiles(self.launch_options())  # a bad engine, spec or template is one line now, not mid-run
+__all__ = ["GateOptions", "resolve_dtype", "run_gate", "check_out_dir", "make_plan"]
 
 
 def check_out_dir(out: Path) -> Path:
@@ -149,26 +60,10 @@ def check_out_dir(out: Path) -> Path:
     return out
 
 
-GATE_WEIGHTS = ("auto", "float32", "bfloat16", "gguf", "int8")  # specgate.models.dtypes.WEIGHT_CHOICES
-
-
-def resolve_dtype(dtype: str, target: str = "") -> str:
-    """'auto' -> what `specgate serve --dtype auto` loads TARGET in (specgate.models.dtypes.resolve_weights): a .gguf
-    target's own blocks ("gguf") where the native kernels run, else the runtime's default dtype name."""
-    if dtype != "auto":
-        return dtype
-    from specgate.models.dtypes import resolve_weights, weights_name
-
-    return weights_name(resolve_weights(dtype, target))
-
-
-# ------------------------------------------------------------------------------------------ servers
-
-
-def mem_total_mib() -> float | None:
+def mem_info_mib(key: str = "MemTotal") -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) / 1024.0
     except OSError:
         return None
@@ -209,42 +104,490 @@ def default_draft_unavailable(target: str) -> str | None:
             f"targets with one: {known}): continuing without it")
 
 
-# ------------------------------------------------------------------------------------------ phases
+# ------------------------------------------------------------------------------------------ the plan
 
 
 @dataclass
 class Plan:
     """The requests of every phase, identical for every configuration (paired comparisons)."""
 
-    c1_by_category: dict[str, list[gate_client.RequestSpec]]
-    load: list[gate_client.RequestSpec]
-    poisson: list[gate_client.RequestSpec]
+    greedy_by_category: dict[str, list[gate_client.RequestSpec]]
+    load: list[gate_client.RequestSpec]  # the paired rounds' request pool (each block draws a permutation of it)
     math: list[gate_client.RequestSpec]
     sample: list[gate_client.RequestSpec]
     math_items: list[wl.MathItem]
     categories: dict[str, str]
+    sample_prompts: dict[str, str]  # sample id -> its prompt (for scoring)
 
-    def total(self, concurrency: list[int], requests_per_level: int) -> int:
-        levels = [c for c in concurrency if c != 1]
-        return (1 + sum(len(v) for v in self.c1_by_category.values()) + len(levels) * requests_per_level
-                + len(self.poisson) + len(self.math) + len(self.sample))
+    @property
+    def fixed_requests(self) -> int:
+        return 1 + sum(len(v) for v in self.greedy_by_category.values()) + len(self.math) + len(self.sample)
 
 
 def make_plan(options: GateOptions) -> Plan:
     prompts = wl.take_balanced(wl.load_prompts(options.workload), options.per_category)
     math_items = wl.load_math(options.math)[: options.math_items]
-
-    def spec(p: wl.Prompt, **kw: Any) -> gate_client.RequestSpec:
-        return gate_client.RequestSpec(p.id, p.category, p.prompt, p.max_tokens or options.max_tokens, **kw)
-
     by_category: dict[str, list[gate_client.RequestSpec]] = {}
-    for p in prompts:  # the greedy phase is long enough to show a divergence that 24 tokens hide
+    for p in prompts:  # the greedy phase is long enough to show a divergence that a short one hides
         by_category.setdefault(p.category, []).append(gate_client.RequestSpec(p.id, p.category, p.prompt, p.max_tokens or options.greedy_tokens))
-    load = [spec(prompts[i % len(prompts)]) for i in range(options.requests_per_level)]
-    poisson = [spec(prompts[i % len(prompts)]) for i in range(options.poisson_requests)]
-    math_specs = [gate_client.RequestSpec(m.id, "math-set", quality.math_prompt(m), 8, ignore_eos=False, stop=["\n"]) for m in math_items]
-    sample = [spec(prompts[i % len(prompts)], temperature=1.0, seed=options.seed * 7919 + i) for i in range(min(options.sample_prompts, len(prompts)))]
-    return Plan(by_category, load, poisson, math_specs, sample, math_items, {p.id: p.category for p in prompts})
+    load = [gate_client.RequestSpec(p.id, p.category, p.prompt, p.max_tokens or options.max_tokens) for p in prompts]
+    math_specs = [gate_client.RequestSpec(m.id, "math-set", quality.math_prompt(m), 12, ignore_eos=False, stop=["\n"]) for m in math_items]
+    sample = []
+    for i in range(options.sample_prompts):  # more samples than prompts: each prompt again with another seed
+        p = prompts[i % len(prompts)]
+        sample.append(gate_client.RequestSpec(f"{p.id}#{i // len(prompts)}", p.category, p.prompt, options.sample_tokens, temperature=1.0,
+                                              seed=options.seed * 7919 + i))
+    return Plan(by_category, load, math_specs, sample, math_items, {p.id: p.category for p in prompts}, {s.prompt_id: s.prompt for s in sample})
+
+
+# ------------------------------------------------------------------------------------------ servers
+
+
+@dataclass
+class Server:
+    run: ConfigRun
+    endpoint: Endpoint
+    target: rounds.Target
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+PhaseHook = Callable[[str, str, Endpoint], None]
+
+
+class Gate:
+    """One gate run: its servers, what they measured, and the decisions."""
+
+    def __init__(self, options: GateOptions, plan: Plan, progress: Any, log: Callable[[str], None], after_phase: PhaseHook | None) -> None:
+        self.options, self.plan, self.progress, self.log, self.after_phase = options, plan, progress, log, after_phase
+        self.out = Path(options.out)
+        self.runs: dict[str, ConfigRun] = {}
+        self.servers: dict[str, Server] = {}
+        self.records: list[dict] = []
+        self.notes: list[str] = []
+        self.scorer: Any = None
+        self.http: Any = None
+        self.window_s: dict[str, float] = {}
+        self.stages: dict[str, dict[str, Any]] = {}
+        self.screening: dict[str, decision.ConfigDecision] = {}
+        self.confirmation: decision.ConfigDecision | None = None
+        self.advice: decision.Advice | None = None
+        self.profiles: dict[str, launch.LaunchProfile] = {}
+        self.single = False  # one configuration only: measured to a decision in the first stage
+
+    # -------------------------------------------------------------- servers
+    def spawn(self, profile: launch.LaunchProfile) -> Endpoint | None:
+        run = self.runs.setdefault(profile.name, ConfigRun(profile.name, profile.engine, profile.spec, profile.gamma, profile.policy,
+                                                           profile.draft, profile.lossy, profile.gamma_table, profile.command()))
+        self.log(f"starting {profile.name}: {profile.command()}")
+        try:
+            endpoint = launch.spawn(profile, self.out)
+        except ServerStartError as exc:
+            run.failure = f"server did not start: {exc}"
+            return None
+        endpoint.info["spawned_at"] = time.perf_counter()
+        return endpoint
+
+    def ready(self, endpoint: Endpoint | None) -> Server | None:
+        if endpoint is None:
+            return None
+        run = self.runs[endpoint.name]
+        try:
+            launch.wait_ready(endpoint)
+        except ServerStartError as exc:
+            run.failure = f"server did not start: {exc}"
+            self.log(f"{endpoint.name}: {exc}")
+            return None
+        run.startup_s, run.url, run.server = time.perf_counter() - endpoint.info["spawned_at"], endpoint.url, dict(endpoint.info)
+        if run.engine == "unknown":  # a --server-cmd template: the server says what it is
+            run.engine = launch.detect_engine(endpoint.url)
+        server = Server(run, endpoint, self.target(endpoint.name, endpoint))
+        self.servers[endpoint.name] = server
+        return server
+
+    def target(self, name: str, endpoint: Endpoint) -> rounds.Target:
+        client = gate_client.Client(endpoint.url, model=self.options.model, api_key=self.options.api_key, timeout_s=self.options.request_timeout_s)
+
+        async def scrape() -> prom.SpecSnapshot | None:
+            return await _scrape(self.http, endpoint.metrics_url)
+
+        async def healthy() -> bool:
+            return endpoint.alive() and await _healthy(self.http, endpoint.url)
+
+        return rounds.Target(name, client, scrape, healthy)
+
+    async def stop(self, name: str) -> None:
+        server = self.servers.pop(name, None)
+        if server is None:
+            return
+        await self.read_memory([name], server)
+        await server.target.client.close()
+        server.endpoint.stop()
+
+    async def read_memory(self, names: list[str], server: Server | None = None) -> None:
+        """Each server's memory so far (peak RSS, GPU, KV slots, preemptions), for the decision and the report."""
+        for name in names:
+            found = server or self.servers.get(name)
+            if found is not None and found.endpoint.alive():
+                found.run.memory = _memory(found.endpoint, await _scrape(self.http, found.endpoint.metrics_url))
+
+    # -------------------------------------------------------------- fixed work
+    async def fixed_work(self, server: Server) -> None:
+        """Warm-up, the greedy phase per category, math and the samples (then scored), one server alone."""
+        run, plan = server.run, self.plan
+        task = self.progress.add_task(f"{run.name}: phases", total=plan.fixed_requests) if self.progress else None
+        advance = (lambda _: self.progress.advance(task, 1)) if task is not None else (lambda _: None)
+        level = min(self.options.max_num_seqs, max(self.options.concurrency))
+        try:
+            await self.phase(server, "warmup", [gate_client.RequestSpec("warmup", "warmup", "Hello", 4)], 1, advance)
+            for category, specs in plan.greedy_by_category.items():  # batched: the greedy output must not depend on the batch
+                outcome, window = await self.phase(server, f"greedy:{category}", specs, level, advance)
+                run.per_category[category] = window.to_dict() if window else None
+                run.per_category_latency[category] = gate_client.summarise(outcome)
+                run.greedy.update({r.prompt_id: r.text for r in outcome.ok})
+            outcome, _ = await self.phase(server, "math", plan.math, level, advance)
+            run.math_outputs = {r.prompt_id: r.text for r in outcome.ok}
+            outcome, _ = await self.phase(server, "sample", plan.sample, level, advance)
+            run.samples = {r.prompt_id: r.text for r in outcome.ok}
+        except ServerDied as exc:
+            run.failure = str(exc)
+        finally:
+            if task is not None:
+                self.progress.update(task, completed=plan.fixed_requests)
+        self.score(run)
+
+    async def phase(self, server: Server, name: str, specs: list[gate_client.RequestSpec], concurrency: int,
+                    advance: Callable[[Any], None]) -> tuple[gate_client.PhaseResult, prom.SpecWindow | None]:
+        """One closed-loop phase between two scrapes of the server's counters; ServerDied if the server died."""
+        endpoint, run = server.endpoint, server.run
+        before = await server.target.scrape()
+        started = time.perf_counter()
+        outcome = await gate_client.closed_loop(server.target.client, specs, concurrency, config=run.name, phase=name, on_done=advance)
+        after = await server.target.scrape()
+        window = prom.spec_window(before, after) if before is not None and after is not None else None
+        if window is not None:
+            run.phase_windows.append(window)
+        timed = gate_client.sum_timings(outcome.records)
+        if timed:
+            run.timings = {k: (run.timings or {}).get(k, 0) + v for k, v in timed.items()}
+        self.records += [r.to_dict() for r in outcome.records]
+        failed = [r for r in outcome.records if not r.ok]
+        run.phases.append({"name": name, "wall_s": time.perf_counter() - started, "failed": len(failed)})
+        if self.after_phase is not None:
+            self.after_phase(run.name, name, endpoint)
+        if failed and (not endpoint.alive() or not await _healthy(self.http, endpoint.url)):
+            raise ServerDied(f"{endpoint.exit_description()} during phase '{name}' ({len(failed)}/{len(outcome.records)} requests failed: {failed[0].error})")
+        if not endpoint.alive():
+            raise ServerDied(f"{endpoint.exit_description()} after phase '{name}'")
+        return outcome, window
+
+    def score(self, run: ConfigRun) -> None:
+        """The target's scores of the run's sampled continuations (in this process; the servers sit idle)."""
+        if self.scorer is None or not run.samples:
+            return
+        run.scores = {sid: self.scorer.score_continuation(self.plan.sample_prompts[sid], text)
+                      for sid, text in run.samples.items() if sid in self.plan.sample_prompts}
+
+    def load_scorer(self) -> None:
+        if not self.options.score:
+            self.notes.append("target scoring skipped (--no-score): no perplexity, no sampled log-likelihood test")
+            return
+        try:
+            from specgate.models import load_model
+            from specgate.models.dtypes import resolve_weights
+
+            weights = resolve_weights(resolve_dtype(self.options.dtype, self.options.target), self.options.target)  # as the served target
+            self.log(f"loading the target {self.options.target} in this process to score quality")
+            self.scorer = quality.TargetScorer(load_model(self.options.target, dtype=weights))
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            self.notes.append(f"target scoring unavailable ({exc}): give --target with local weights for perplexity and the log-likelihood test")
+
+    # -------------------------------------------------------------- paired rounds
+    def loads(self, poisson: bool) -> list[rounds.Load]:
+        out = [rounds.closed(c) for c in self.options.concurrency]
+        return out + [rounds.Load(rounds.POISSON, qps=self.options.qps)] if poisson else out
+
+    def poisson_qps(self) -> float:
+        """--qps, else QPS_FRACTION of the baseline's capacity at the target concurrency (requests/s it completed)."""
+        if self.options.qps:
+            return self.options.qps
+        target = f"c{self.options.judged_concurrency}"
+        windows = [w for w in self.runs[BASELINE].windows if w.load == target]
+        tokens_per_request = sum(s.max_tokens for s in self.plan.load) / len(self.plan.load)
+        if not windows:
+            self.notes.append(f"the baseline was not measured at {target}: the Poisson rate defaults to 1 request/s")
+            return 1.0
+        qps = QPS_FRACTION * sum(w.tokens_per_s for w in windows) / len(windows) / tokens_per_request
+        self.notes.append(f"Poisson arrivals at {qps:.3g} requests/s: {QPS_FRACTION:g} x the baseline's capacity at {target}")
+        return qps
+
+    async def measure_block(self, stage: str, block: int, names: list[str], loads: list[rounds.Load]) -> float:
+        """One block of paired rounds: every load, the servers in the block's order; its wall seconds."""
+        started = time.perf_counter()
+        for load in loads:
+            if load.name == rounds.POISSON and load.qps is None:
+                load.qps = self.poisson_qps()
+            window_s = self.window_s.get(load.name, self.options.round_s)
+            sequence = rounds.block_sequence(self.plan.load, block, self.options.seed)
+            gaps = []
+            for name in rounds.block_order(names, block):
+                server = self.servers.get(name)
+                if server is None or server.run.failure:
+                    continue
+                window = await self.measure_round(server, stage, block, load, sequence, window_s)
+                if window is not None and window.chunk_gap_p50_s:
+                    gaps.append(window.chunk_gap_p50_s)
+            if gaps:  # the next blocks' windows span at least rounds.STEPS_PER_WINDOW steps of the slowest server
+                self.window_s[load.name] = rounds.window_length_s(self.options.round_s, max(gaps))
+        return time.perf_counter() - started
+
+    async def measure_round(self, server: Server, stage: str, block: int, load: rounds.Load, sequence: list[gate_client.RequestSpec],
+                            window_s: float) -> rounds.Window | None:
+        try:
+            if load.closed:
+                done, before, after = await rounds.closed_round(server.target, load, sequence, block, window_s)
+            else:
+                done, before, after = await rounds.open_round(server.target, load, sequence, block, window_s, self.options.seed)
+        except rounds.ServerGone as exc:
+            server.run.failure = f"{server.endpoint.exit_description()} during paired round {block} at {load.name} ({exc})"
+            self.log(f"{server.run.name}: {server.run.failure}")
+            return None
+        window = rounds.summarise_round(done, before, after)
+        window.stage = stage
+        server.run.windows.append(window)
+        self.records += [r.to_dict() for r in done.records]
+        return window
+
+    def alive(self, names: list[str]) -> list[str]:
+        return [n for n in names if n in self.servers and not self.runs[n].failure]
+
+    def quality(self, name: str) -> dict[str, Any]:
+        configurations = len([n for n in self.runs if n not in (BASELINE, RECOMMENDED)]) + (1 if self.options.recommend else 0)
+        return decision.quality_of(self.runs[BASELINE], self.runs[name], self.plan, self.options, configurations)
+
+    async def screen(self, names: list[str], first_block: int) -> int:
+        """`--rounds` blocks over the baseline and `names`, at every closed-loop concurrency; each decided at 95%."""
+        loads = self.loads(poisson=False)
+        task = self.progress.add_task("screening: paired rounds", total=self.options.rounds) if self.progress else None
+        started, measured = time.perf_counter(), 0
+        for block in range(first_block, first_block + self.options.rounds):
+            alive = self.alive([BASELINE, *names])
+            if BASELINE not in alive or len(alive) < 2:
+                break
+            await self.measure_block(SCREEN, block, alive, loads)
+            measured += 1
+            if task is not None:
+                self.progress.advance(task, 1)
+        stage = self.stages.setdefault(SCREEN, {"blocks": 0, "wall_s": 0.0, "level": stats.LEVEL, "looks": 1, "loads": [x.name for x in loads]})
+        stage["blocks"] += measured
+        stage["wall_s"] += time.perf_counter() - started
+        await self.read_memory([BASELINE, *names])
+        for name in names:
+            self.screening[name] = decision.decide_config(self.runs[BASELINE], self.runs[name], SCREEN, stage["loads"], self.quality(name),
+                                                          self.options, stats.LEVEL)
+        return first_block + self.options.rounds
+
+    async def sequential(self, name: str, stage: str = CONFIRM) -> decision.ConfigDecision:
+        """Fresh paired rounds of `name` against the baseline at every load, Poisson included, until every binding
+        criterion that rounds can decide is decided or the budget is spent (module docstring: looks and levels)."""
+        loads = self.loads(poisson=True)
+        started, block, looks, level = time.perf_counter(), 0, [self.options.rounds], stats.LEVEL
+        verb = "confirming" if stage == CONFIRM else "measuring"
+        task = self.progress.add_task(f"{verb} {name}: paired rounds", total=self.options.rounds) if self.progress else None
+        decided: decision.ConfigDecision | None = None
+        while set(self.alive([BASELINE, name])) == {BASELINE, name}:
+            block_s = await self.measure_block(stage, block, [BASELINE, name], loads)
+            block += 1
+            if block == 1:  # the budget's looks, planned from the first block's length
+                looks = planned_looks(self.options.rounds, self.options.budget_s, block_s)
+                level = stats.split_level(stats.LEVEL, len(looks))
+                if task is not None:
+                    self.progress.update(task, total=looks[-1])
+            if task is not None:
+                self.progress.advance(task, 1)
+            out_of_budget = block >= self.options.rounds and time.perf_counter() - started + block_s > self.options.budget_s
+            if block in looks or out_of_budget or block >= looks[-1]:
+                decided = await self.decide(name, stage, loads, level)
+                if decision.rounds_decided(decided, self.options) or out_of_budget or block >= looks[-1]:
+                    break
+        self.stages[stage] = {"blocks": block, "wall_s": time.perf_counter() - started, "level": level, "looks": len(looks),
+                              "planned_blocks": looks, "budget_s": self.options.budget_s, "loads": [x.name for x in loads],
+                              "qps": next((x.qps for x in loads if x.name == rounds.POISSON), None)}
+        return decided or await self.decide(name, stage, loads, level)  # a server died before the first look
+
+    async def decide(self, name: str, stage: str, loads: list[rounds.Load], level: float) -> decision.ConfigDecision:
+        await self.read_memory([BASELINE, name])
+        decided = decision.decide_config(self.runs[BASELINE], self.runs[name], stage, [x.name for x in loads], self.quality(name), self.options, level)
+        if stage == CONFIRM:
+            self.confirmation = decided
+        else:
+            self.screening[name] = decided
+        return decided
+
+
+    # -------------------------------------------------------------- the two modes
+    async def embedded(self) -> None:
+        profiles = _profiles(self.options, self.notes)
+        self.profiles = {p.name: p for p in profiles}
+        base = self.ready(self.spawn(profiles[0]))  # alone first: it prepares the target's caches for the others
+        if base is None:  # nothing to compare with: each configuration is only started, to report whether it would
+            for profile in profiles[1:]:
+                server = self.ready(self.spawn(profile))
+                if server is not None:
+                    await self.stop(profile.name)
+                    server.run.failure = "not measured: the baseline's server did not start"
+            return
+        groups = memory_groups(profiles[1:], base.endpoint.peak_rss_mib())
+        if len(groups) > 1:
+            self.notes.append(f"memory holds {len(groups[0])} configuration server(s) beside the baseline: screened in {len(groups)} groups")
+        block = 0
+        for index, group in enumerate(groups or [[]]):
+            endpoints = [self.spawn(p) for p in group]
+            if index == 0:
+                self.load_scorer()  # while the group's servers start
+            servers = [s for s in (self.ready(e) for e in endpoints) if s is not None]
+            if index == 0:
+                await self.fixed_work(base)
+            for server in servers:
+                await self.fixed_work(server)
+            names = [p.name for p in group]  # a server that failed is decided too (its `completed` criterion fails)
+            if len(profiles) == 2 and self.alive(names):  # one configuration: no choice to be cursed by, measured to a decision at once
+                self.single = True
+                await self.sequential(names[0], SCREEN)
+            else:
+                block = await self.screen(names, block)
+            if index < len(groups) - 1:
+                for server in servers:
+                    await self.stop(server.run.name)
+        if self.options.recommend and self.screening:
+            name = await self.recommendation()
+            if name is not None and not self.runs[name].failure:
+                await self.sequential(name, CONFIRM)
+        elif self.screening:
+            self.advice = decision.choose(self.screening, self.runs, self.options)
+
+    async def recommendation(self) -> str | None:
+        """Choose on the screening; a schedule gets its own server and fixed work, a configuration its server again."""
+        advice = self.advice = decision.choose(self.screening, self.runs, self.options)
+        self.log(f"recommendation: {advice.kind} {advice.based_on or ''}: {advice.reason}")
+        if advice.kind == "off" or advice.based_on is None:
+            return None
+        source = self.runs[advice.based_on]
+        if advice.kind == "config" and self.single:
+            return None  # the only configuration, measured to a decision in its own rounds: that decision is the verdict
+        if advice.kind == "schedule":
+            profile = launch.table_profile(self.options.launch_options(), source.draft or "ngram", advice.gamma_table or "", name=RECOMMENDED)
+            server = self.ready(self.spawn(profile))
+            if server is not None:
+                await self.fixed_work(server)
+            return RECOMMENDED
+        server = self.servers.get(advice.based_on)
+        if server is None:  # screened in an earlier memory group: started again
+            server = self.ready(self.spawn(launch.with_name(self.profiles[advice.based_on], advice.based_on)))
+            if server is None:
+                return None
+        run = replace(source, name=RECOMMENDED, windows=[], failure=None)  # its fixed work is the same server's
+        self.runs[RECOMMENDED] = run
+        self.servers[RECOMMENDED] = Server(run, server.endpoint, self.target(RECOMMENDED, server.endpoint))
+        return RECOMMENDED
+
+    async def external(self) -> None:
+        o = self.options
+        metrics = o.metrics_urls + [None] * (2 - len(o.metrics_urls))
+        for name, url, murl in ((BASELINE, o.baseline_endpoint, metrics[1]), ("speculative", o.endpoint, metrics[0])):
+            url = str(url).rstrip("/")
+            engine = o.engine or launch.detect_engine(url)
+            self.log(f"measuring {name} at {url} ({engine})")
+            endpoint = Endpoint(name, url, murl or f"{url}/metrics", info={"url": url})
+            spec = "none" if name == BASELINE else "external"
+            self.runs[name] = ConfigRun(name, engine, spec, 0 if name == BASELINE else o.gamma, "off" if name == BASELINE else "engine",
+                                        draft=spec, url=url)
+            self.servers[name] = Server(self.runs[name], endpoint, self.target(name, endpoint))
+        self.load_scorer()
+        for name in (BASELINE, "speculative"):
+            await self.fixed_work(self.servers[name])
+        if not self.runs["speculative"].failure and not self.runs[BASELINE].failure:
+            await self.sequential("speculative", CONFIRM)
+
+    async def main(self) -> None:
+        import httpx
+
+        self.http = httpx.AsyncClient()
+        try:
+            await (self.external() if self.options.external else self.embedded())
+        finally:
+            for name in reversed(list(self.servers)):  # the recommendation first: it may share its source's server
+                await self.stop(name)
+            await self.http.aclose()
+
+
+def planned_looks(first: int, budget_s: float, block_s: float) -> list[int]:
+    """The block counts at which a stage decides: after `first` blocks (--rounds, whatever the budget), then every 2
+    (whole ABBA pairs) while the budget holds more."""
+    most = max(first, int(budget_s // max(block_s, 1e-9)))
+    looks = list(range(first, most + 1, 2))
+    return looks if looks[-1] == most else [*looks, most]
+
+
+# ------------------------------------------------------------------------------------------ the whole run
+
+
+def _profiles(options: GateOptions, notes: list[str]) -> list[launch.LaunchProfile]:
+    """Every configuration to launch, the baseline first; `--draft default` without a default draft is a note; with
+    --adaptive, specgate's adaptive policy on the first speculative draft."""
+    kept, dropped = [], None
+    for profile in launch.build_profiles(options.launch_options()):
+        if profile.engine == "specgate" and profile.draft == "default":
+            why = default_draft_unavailable(options.target)
+            if why is not None:
+                if why not in notes:
+                    notes.append(why)
+                dropped = profile
+                continue
+        kept.append(profile)
+    if dropped is not None and len(kept) == 1:  # nothing left to measure: prompt lookup needs no model
+        argv = launch.specgate_command(options.launch_options(), "ngram", "fixed", dropped.gamma)
+        kept.append(launch.LaunchProfile("ngram", "specgate", argv, "ngram", dropped.gamma, "fixed", draft="ngram"))
+        notes.append("measuring --draft ngram in its place (prompt lookup needs no draft model)")
+    fixed = [p for p in kept if p.engine == "specgate" and p.policy == "fixed" and not p.lossy]
+    if options.adaptive and fixed and not any(p.policy == "adaptive" for p in kept):
+        draft = fixed[0].draft or "ngram"
+        gamma = max(max(options.gammas), 8)  # serve's default gamma_max is 8
+        argv = launch.specgate_command(options.launch_options(), draft, "adaptive", gamma)
+        name = f"{fixed[0].name.split('-g')[0]}-adaptive"
+        kept.append(launch.LaunchProfile(name, "specgate", argv, f"adaptive:{draft}", gamma, "adaptive", draft=draft))
+    return kept
+
+
+def memory_groups(profiles: list[launch.LaunchProfile], baseline_rss_mib: float | None) -> list[list[launch.LaunchProfile]]:
+    """The configurations in groups whose servers fit beside the baseline in MEMORY_SHARE of the available memory
+    (each assumed as large as the baseline, a draft's weights given a third more)."""
+    available = mem_info_mib("MemAvailable")
+    if not profiles or not baseline_rss_mib or not available:
+        return [profiles] if profiles else []
+    size = max(1, int(MEMORY_SHARE * available // (1.33 * baseline_rss_mib)))
+    return [profiles[i : i + size] for i in range(0, len(profiles), size)]
+
+
+def run_gate(options: GateOptions, *, progress: Any = None, after_phase: PhaseHook | None = None,
+             log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Measure, decide and write the report; the report (also report.json)."""
+    from specgate.gate import report as gate_report
+
+    options.validate()
+    check_out_dir(options.out)
+    started = time.perf_counter()
+    gate = Gate(options, make_plan(options), progress, log, after_phase)
+    asyncio.run(gate.main())
+    perplexity = None
+    if gate.scorer is not None:
+        perplexity = gate.scorer.perplexity(wl.load_text(options.text), seed=options.seed)
+    result = decision.conclude(gate.advice, gate.screening, gate.confirmation, gate.runs, gate.stages, gate.notes, perplexity)
+    report = gate_report.build_report(options, gate.plan, result, tokenizer=gate.scorer.tokenizer if gate.scorer else None,
+                                      wall_s=time.perf_counter() - started)
+    return gate_report.write_outputs(Path(options.out), report, gate.records)
 
 
 async def _scrape(http: Any, url: str) -> prom.SpecSnapshot | None:
@@ -253,7 +596,7 @@ async def _scrape(http: Any, url: str) -> prom.SpecSnapshot | None:
         if response.status_code != 200:
             return None
         return prom.read_spec(prom.parse_exposition(response.text))
-    except Exception:  # the server is gone, or not Prometheus: no counters for this phase
+    except Exception:  # the server is gone, or not Prometheus: no counters for this window
         return None
 
 
@@ -264,252 +607,11 @@ async def _healthy(http: Any, url: str) -> bool:
         return False
 
 
-PhaseHook = Callable[[str, str, Endpoint], None]
-
-
-async def measure_config(
-    endpoint: Endpoint, plan: Plan, options: GateOptions, result: dict[str, Any], records: list[dict], *,
-    advance: Callable[[int], None], after_phase: PhaseHook | None = None,
-) -> None:
-    """Run every phase against one endpoint, filling `result` (sweep, poisson, windows, outputs, memory)."""
-    import httpx
-
-    client = gate_client.Client(endpoint.url, model=options.model, api_key=options.api_key, timeout_s=options.request_timeout_s)
-    http = httpx.AsyncClient()
-    phases = _Phases(endpoint, http, result, records, after_phase)
-    result.update({"sweep": [], "per_category": {}, "per_category_latency": {}, "greedy": {}, "math_outputs": {}, "samples": {}, "phases": []})
-    try:
-        await _run_phases(phases, client, plan, options, advance)
-    except ServerDied as exc:
-        result["failure"] = str(exc)
-    finally:
-        snapshot = await _scrape(http, endpoint.metrics_url)
-        result["spec_total"] = prom.merge_windows(phases.windows).to_dict() if phases.windows else None
-        result["timings_total"] = gate_client.sum_timings(phases.timed)
-        result["memory"] = _memory(endpoint, snapshot)
-        await client.close()
-        await http.aclose()
-
-
-class _Phases:
-    """Runs one endpoint's phases: each between two scrapes of its metrics, its records kept, the server checked."""
-
-    def __init__(self, endpoint: Endpoint, http: Any, result: dict[str, Any], records: list[dict], after_phase: PhaseHook | None) -> None:
-        self.endpoint, self.http, self.result, self.records, self.after_phase = endpoint, http, result, records, after_phase
-        self.windows: list[prom.SpecWindow] = []  # the speculation counters' deltas, one per phase that has them
-        self.timed: list[gate_client.RequestRecord] = []  # the records whose timings cover the same requests as the counters
-
-    async def run(self, phase_name: str, run: Callable[[], Any]) -> tuple[gate_client.PhaseResult, prom.SpecWindow | None]:
-        """Run one phase; ServerDied if the server died during it or after it."""
-        endpoint = self.endpoint
-        before = await _scrape(self.http, endpoint.metrics_url)
-        phase_start = time.perf_counter()
-        outcome = await run()
-        after = await _scrape(self.http, endpoint.metrics_url)
-        window = prom.spec_window(before, after) if before is not None and after is not None else None
-        if window is not None:
-            self.windows.append(window)
-        for record in outcome.records:
-            self.records.append(record.to_dict())
-        if window is not None or before is None:  # the timings cover the same requests as the counters
-            self.timed.extend(outcome.records)
-        self.result["phases"].append({"name": phase_name, "wall_s": time.perf_counter() - phase_start, "failed": sum(not r.ok for r in outcome.records)})
-        failed = [r for r in outcome.records if not r.ok]
-        if self.after_phase is not None:
-            self.after_phase(endpoint.name, phase_name, endpoint)
-        if failed and (not endpoint.alive() or not await _healthy(self.http, endpoint.url)):
-            raise ServerDied(f"{endpoint.exit_description()} during phase '{phase_name}' "
-                             f"({len(failed)}/{len(outcome.records)} requests failed: {failed[0].error})")
-        if not endpoint.alive():
-            raise ServerDied(f"{endpoint.exit_description()} after phase '{phase_name}'")
-        return outcome, window
-
-
-async def _run_phases(phases: _Phases, client: Any, plan: Plan, options: GateOptions, advance: Callable[[int], None]) -> None:
-    """warmup, concurrency 1 per category, the other concurrency levels, poisson, math and sample, into phases.result."""
-    name, result = phases.endpoint.name, phases.result
-
-    def closed(specs: list, concurrency: int, phase_name: str) -> Callable[[], Any]:
-        return lambda: gate_client.closed_loop(client, specs, concurrency, config=name, phase=phase_name, on_done=lambda _: advance(1))
-
-    warm = [gate_client.RequestSpec("warmup", "warmup", "Hello", 4)]
-    await phases.run("warmup", closed(warm, 1, "warmup"))
-    level1_records: list[gate_client.RequestRecord] = []
-    level1_wall, level1_windows = 0.0, []
-    for category, specs in plan.c1_by_category.items():
-        outcome, window = await phases.run(f"c1:{category}", closed(specs, 1, f"c1:{category}"))
-        level1_records += outcome.records
-        level1_wall += outcome.wall_s
-        result["per_category"][category] = window.to_dict() if window else None
-        result["per_category_latency"][category] = gate_client.summarise(outcome)
-        if window:
-            level1_windows.append(window)
-        result["greedy"].update({r.prompt_id: r.text for r in outcome.ok})
-    level = gate_client.summarise(gate_client.PhaseResult(level1_records, level1_wall))
-    level.update(concurrency=1, spec=prom.merge_windows(level1_windows).to_dict() if level1_windows else None)
-    result["sweep"].append(level)
-    for concurrency in [c for c in options.concurrency if c != 1]:
-        outcome, window = await phases.run(f"c{concurrency}", closed(plan.load, concurrency, f"c{concurrency}"))
-        level = gate_client.summarise(outcome)
-        level.update(concurrency=concurrency, spec=window.to_dict() if window else None)
-        result["sweep"].append(level)
-    outcome, window = await phases.run("poisson", lambda: gate_client.open_loop(
-        client, plan.poisson, options.qps, config=name, phase="poisson", seed=options.seed, on_done=lambda _: advance(1)))
-    result["poisson"] = {**gate_client.summarise(outcome), "qps": options.qps, "spec": window.to_dict() if window else None}
-    outcome, _ = await phases.run("math", closed(plan.math, max(options.concurrency), "math"))
-    result["math_outputs"] = {r.prompt_id: r.text for r in outcome.ok}
-    outcome, _ = await phases.run("sample", closed(plan.sample, max(options.concurrency), "sample"))
-    result["samples"] = {r.prompt_id: r.text for r in outcome.ok}
-
-
 def _memory(endpoint: Endpoint, snapshot: Any) -> dict[str, Any]:
     """The server's peak RSS, the machine's RAM, GPU memory used / total and the KV slots and preemptions counters."""
-    rss = endpoint.peak_rss_mib()
     gpu = gpu_memory_mib(endpoint.process.pid if endpoint.process else None)
     return {
-        "peak_rss_mib": rss, "mem_total_mib": mem_total_mib() if endpoint.process else None,
+        "peak_rss_mib": endpoint.peak_rss_mib(), "mem_total_mib": mem_info_mib() if endpoint.process else None,
         "gpu_memory_used_mib": gpu["used"] if gpu else None, "gpu_memory_total_mib": gpu["total"] if gpu else None,
-        "kv_slots_total": snapshot.kv_slots_total if snapshot else None,
-        "preemptions": snapshot.preemptions if snapshot else None,
+        "kv_slots_total": snapshot.kv_slots_total if snapshot else None, "preemptions": snapshot.preemptions if snapshot else None,
     }
-
-
-class ServerDied(RuntimeError):
-    pass
-
-
-# ------------------------------------------------------------------------------------------ the whole run
-
-
-def _profiles(options: GateOptions, notes: list[str]) -> list[launch.LaunchProfile]:
-    """Every configuration to launch, the baseline first; `--draft default` without a default draft is a note."""
-    profiles = launch.build_profiles(options.launch_options())
-    kept = []
-    for profile in profiles:
-        if profile.engine == "specgate" and profile.draft == "default":
-            why = default_draft_unavailable(options.target)
-            if why is not None:
-                if why not in notes:
-                    notes.append(why)
-                continue
-        kept.append(profile)
-    return kept
-
-
-def _adaptive_profile(options: GateOptions, profiles: list[launch.LaunchProfile], results: dict[str, dict]) -> launch.LaunchProfile | None:
-    """specgate's adaptive policy on the fixed draft with the best throughput at the target concurrency."""
-    fixed = [p for p in profiles if p.engine == "specgate" and p.policy == "fixed" and not p.lossy and not results.get(p.name, {}).get("failure")]
-    if not options.adaptive or not fixed or any(p.policy == "adaptive" for p in profiles):
-        return None
-    best = max(fixed, key=lambda p: recommend.throughput(results[p.name], options.thresholds.target_concurrency) or 0.0)
-    o = options.launch_options()
-    gamma = max(max(options.gammas or [options.gamma]), 8 if options.gamma <= 8 else options.gamma)  # serve's default gamma_max is 8
-    name = f"{best.name.split('-g')[0]}-adaptive"
-    return launch.LaunchProfile(name, "specgate", launch.specgate_command(o, best.draft, "adaptive", gamma), f"adaptive:{best.draft}", gamma,
-                                "adaptive", draft=best.draft)
-
-
-class _Measurer:
-    """Starts each profile, measures it phase by phase, stops it; a server that fails to start is a failure entry."""
-
-    def __init__(self, options: GateOptions, plan: Plan, results: dict, records: list, progress: Any, after_phase: PhaseHook | None, log: Callable[[str], None]) -> None:
-        self.options, self.plan, self.results, self.records = options, plan, results, records
-        self.progress, self.after_phase, self.log = progress, after_phase, log
-        self.total = plan.total(options.concurrency, options.requests_per_level)
-
-    def measure(self, endpoint: Endpoint, meta: dict[str, Any]) -> None:
-        task = self.progress.add_task(f"{endpoint.name}", total=self.total) if self.progress else None
-        result = self.results.setdefault(endpoint.name, meta)
-        advance = (lambda n: self.progress.advance(task, n)) if self.progress else (lambda n: None)
-        asyncio.run(measure_config(endpoint, self.plan, self.options, result, self.records, advance=advance, after_phase=self.after_phase))
-        if self.progress:
-            self.progress.update(task, completed=self.total)
-
-    def launch(self, profile: launch.LaunchProfile) -> None:
-        meta = profile.meta()
-        self.log(f"starting {profile.name}: {profile.command()}")
-        start_s = time.perf_counter()
-        try:
-            endpoint = launch.start(profile, self.options.out)
-        except ServerStartError as exc:
-            self.results[profile.name] = {**meta, "failure": f"server did not start: {exc}"}
-            self.log(f"{profile.name}: {exc}")
-            return
-        meta["server"], meta["startup_s"] = endpoint.info, time.perf_counter() - start_s
-        if meta["engine"] == "unknown":  # a --server-cmd template: the server says what it is
-            meta["engine"] = launch.detect_engine(endpoint.url)
-        try:
-            self.measure(endpoint, meta)
-        finally:
-            endpoint.stop()
-
-
-def _measure_external(options: GateOptions, measurer: _Measurer, log: Callable[[str], None]) -> None:
-    metrics = options.metrics_urls + [None] * (2 - len(options.metrics_urls))
-    pairs = [("baseline", options.baseline_endpoint, metrics[1], "none"), ("speculative", options.endpoint, metrics[0], "external")]
-    for name, url, murl, draft in pairs:
-        url = url.rstrip("/")
-        engine = options.engine or launch.detect_engine(url)
-        log(f"measuring {name} at {url} ({engine})")
-        endpoint = Endpoint(name, url, murl or f"{url}/metrics")
-        measurer.measure(endpoint, {"name": name, "engine": engine, "draft": draft, "spec": draft, "gamma": options.gamma if draft != "none" else 0,
-                                    "url": url, "lossy": None, "policy": "engine", "command": None})
-
-
-def run_gate(options: GateOptions, *, progress: Any = None, after_phase: PhaseHook | None = None, log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Measure, recommend, measure the recommendation, score, decide and write the report (also as report.json)."""
-    from specgate.gate import report as gate_report
-
-    options.validate()
-    out = check_out_dir(options.out)
-    started = time.perf_counter()
-    plan = make_plan(options)
-    notes: list[str] = []
-    results: dict[str, dict[str, Any]] = {}
-    records: list[dict] = []
-    measurer = _Measurer(options, plan, results, records, progress, after_phase, log)
-    profiles: list[launch.LaunchProfile] = []
-    if options.external:
-        _measure_external(options, measurer, log)
-    else:
-        profiles = _profiles(options, notes)
-        for profile in profiles:
-            measurer.launch(profile)
-        adaptive = _adaptive_profile(options, profiles, results)
-        if adaptive is not None:
-            profiles.append(adaptive)
-            measurer.launch(adaptive)
-    advice = recommend.recommend(options, plan, results, profiles)
-    if advice.profile is not None and options.recommend:
-        measurer.launch(advice.profile)
-    scoring_start = time.perf_counter()
-    scored = score_quality(options, plan, results, notes, log)
-    scored["scoring_s"] = time.perf_counter() - scoring_start
-    report = gate_report.build_report(options, plan, results, scored, notes, wall_s=time.perf_counter() - started, advice=advice)
-    gate_report.write_outputs(out, report, records)
-    return report
-
-
-def score_quality(options: GateOptions, plan: Plan, results: dict[str, dict], notes: list[str], log: Callable[[str], None]) -> dict[str, Any]:
-    """Target-side scoring in this process (after every server stopped): text perplexity and sampled log-likelihoods."""
-    scored: dict[str, Any] = {"perplexity": None, "loglik": {}}
-    if not options.score:
-        notes.append("target scoring skipped (--no-score): no perplexity, no sampled log-likelihood test")
-        return scored
-    try:
-        from specgate.models import load_model
-        from specgate.models.dtypes import resolve_weights
-
-        weights = resolve_weights(resolve_dtype(options.dtype, options.target), options.target)  # as the served target
-        log(f"scoring with the target {options.target} in this process")
-        loaded = load_model(options.target, dtype=weights)
-        scorer = quality.TargetScorer(loaded)
-        scored["tokenizer"] = loaded.tokenizer  # token positions of greedy mismatches
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        notes.append(f"target scoring unavailable ({exc}): give --target with local weights for perplexity and the log-likelihood test")
-        return scored
-    scored["perplexity"] = scorer.perplexity(wl.load_text(options.text), seed=options.seed)
-    prompts = {s.prompt_id: s.prompt for s in plan.sample}
-    for name, result in results.items():
-        scored["loglik"][name] = {pid: scorer.continuation_logprob(prompts[pid], text) for pid, text in (result.get("samples") or {}).items() if pid in prompts}
-    return scored

@@ -7,7 +7,8 @@ Prompt JSONL, one object per line, either
 Math JSONL (GSM8K style): {"question": "...", "answer": "... #### 42"} (the number after '####' is the answer;
 without '####', the last number in `answer`). Text: any UTF-8 file (Wikitext style is fine).
 The built-ins ship as package data under specgate/data/workloads/: builtin.jsonl (code, prose, grounded,
-math), arithmetic.jsonl, perplexity.txt.
+math), arithmetic.jsonl (240 sums, differences and products of small integers, enough items for the gate's paired
+exact-match test to rule out a 5-point regression), perplexity.txt.
 """
 
 from __future__ import annotations

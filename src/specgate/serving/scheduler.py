@@ -258,6 +258,7 @@ class Scheduler:
         if lossy is not None and not callable(getattr(lossy, "verify", None)):
             raise ValueError(f"lossy={lossy!r} is not a lossy mode: pass an object from specgate.sampling.lossy or None")
         self.lossy = lossy
+        self.step_delay_s = 0.0  # a sleep after every step: a server made slower by a known amount, for tests only
         self.eos_ids = eos_token_ids(target)
         self.cache = target.model.new_cache(num_slots, max_seq_len)
         if isinstance(draft, str) and draft in ("none", "ngram"):
@@ -379,7 +380,8 @@ class Scheduler:
                 if self._stop:
                     return
             try:
-                self.step()
+                if self.step() and self.step_delay_s > 0:
+                    time.sleep(self.step_delay_s)  # a documented slowdown for the gate's tests (serve --debug-step-delay-ms)
             except Exception as exc:  # fail the running requests, keep serving the next ones
                 self.last_error = exc
                 for request in list(self.running):

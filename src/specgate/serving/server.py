@@ -54,6 +54,7 @@ class ServerConfig:
     request_timeout_s: float | None = None  # a request still running this long after arrival ends (504); None = never
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may take before their connections are cut
+    debug_step_delay_ms: float = 0.0  # tests only: sleep this long after every engine step (a known slowdown)
 
     def resolved_gamma(self) -> int:
         """--gamma, or the policy's default when it is left out: fixed 4, adaptive gamma_max 8 (DEFAULT_GAMMA_MAX).
@@ -66,6 +67,8 @@ class ServerConfig:
         return DEFAULT_GAMMA_MAX if self.policy == "adaptive" else DEFAULT_FIXED_GAMMA
 
     def validate(self) -> None:
+        if not 0.0 <= self.debug_step_delay_ms <= 10_000.0:
+            raise ValueError(f"--debug-step-delay-ms {self.debug_step_delay_ms} is out of range [0, 10000] (ms slept after each step; tests only)")
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"--policy {self.policy!r} is unknown: use one of {', '.join(POLICY_NAMES)}")
         if self.gamma is not None and (isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or not 0 <= self.gamma <= 64):
@@ -156,6 +159,7 @@ def build_engine(config: ServerConfig) -> Engine:
         target, draft, policy, num_slots=config.max_num_seqs, max_seq_len=min(config.max_seq_len, int(target.model.max_position_embeddings)),
         max_waiting=config.max_waiting, metrics=metrics, lossy=parse_lossy(config.lossy),
     )
+    scheduler.step_delay_s = config.debug_step_delay_ms / 1000.0
     app = create_app(
         scheduler, model_name=model_name, metrics=metrics, api_key=config.api_key, default_max_tokens=config.default_max_tokens,
         request_timeout_s=config.request_timeout_s, max_body_bytes=config.max_body_bytes,
