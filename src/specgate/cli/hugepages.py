@@ -1,12 +1,11 @@
 """`specgate serve` keeps its weights in transparent huge pages (2 MiB), by restarting itself once with glibc's
 malloc told to ask for them (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`).
 
-Why: with 4 KiB pages a process's weights land on whatever physical pages it gets, and the cache conflicts that
-follow make one server process a few percent slower than its twin for as long as it lives, which a gate comparing
-two servers would read as an effect of the configuration. In 2 MiB pages the layout repeats from process to
-process, and decoding is faster too (docs/BENCHMARKS.md, "Server processes"). It applies where the kernel offers
-huge pages on request (transparent_hugepage `always` or `madvise`) and glibc reads the tunable (2.35 and later);
-SPECGATE_HUGEPAGES=0 turns it off.
+Why: with 4 KiB pages a process's weights land on whatever physical pages it gets, and one server process can run a
+few percent slower than its twin for as long as it lives, which a gate comparing two servers reads as an effect of the
+configuration (docs/BENCHMARKS.md, "Server processes"). In 2 MiB pages the layout is far less left to chance. It
+applies where the kernel offers huge pages on request (transparent_hugepage `always` or `madvise`) and glibc reads the
+tunable (2.35 and later); SPECGATE_HUGEPAGES=0 turns it off.
 """
 
 from __future__ import annotations

@@ -235,8 +235,7 @@ def latency_differences(pairs: list[tuple[Window, Window]], level: float, seed: 
 
         a, b = groups(1), groups(0)
         out[key] = stats.bootstrap_percentile_difference(a, b, q, level, seed, resamples=500)
-        pooled = [x for g in b for r in g for x in r]
-        base[key] = float(np.percentile(pooled, q)) if pooled else None
+        base[key] = stats.percentile_of(b, q)
     return out, base
 
 

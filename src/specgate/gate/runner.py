@@ -239,7 +239,7 @@ class Gate:
         run, plan = server.run, self.plan
         task = self.progress.add_task(f"{run.name}: phases", total=plan.fixed_requests) if self.progress else None
         advance = (lambda _: self.progress.advance(task, 1)) if task is not None else (lambda _: None)
-        level = min(self.options.max_num_seqs, max(self.options.concurrency))
+        level = self.options.max_num_seqs  # fixed work at the servers' full batch: it is not what the rounds time
         try:
             await self.phase(server, "warmup", [gate_client.RequestSpec("warmup", "warmup", "Hello", 4)], 1, advance)
             for category, specs in plan.greedy_by_category.items():  # batched: the greedy output must not depend on the batch

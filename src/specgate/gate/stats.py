@@ -130,6 +130,12 @@ def bootstrap_percentile_difference(
     return Interval(float(estimate), float(np.percentile(diffs, tail)), float(np.percentile(diffs, 100.0 - tail)), level, a.requests + b.requests)
 
 
+def percentile_of(groups: Sequence[Sequence[np.ndarray]], q: float) -> float | None:
+    """The q-th percentile (inverted CDF, as bootstrap_percentile_difference) of every request's samples pooled."""
+    pooled = _Pooled(groups)
+    return float(pooled.percentile(q, np.ones((1, pooled.requests)))[0]) if pooled.values.size else None
+
+
 class _Pooled:
     """Requests' samples, grouped by round, sorted once: a resample is a weight per request."""
 
