@@ -191,3 +191,12 @@ def test_the_gate_measures_the_weights_serve_loads_by_default(tmp_path):
                                    dtype=resolve_dtype("auto", "gemma-3-270m"))
     argv = launch.build_profiles(chosen)[0].argv(9)  # the baseline server
     assert argv[argv.index("--dtype") + 1] == served
+
+
+def test_the_option_table_in_gate_md_is_the_generated_one():
+    """docs/GATE.md's option table comes from GateOptions (`python -m specgate.gate.options`): a changed default,
+    --quick value or help text fails here until the table is regenerated."""
+    from specgate.gate.options import option_markdown
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "GATE.md").read_text()
+    assert option_markdown().strip() in doc

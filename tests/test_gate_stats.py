@@ -114,3 +114,14 @@ def test_units_to_decide_scales_the_half_width_as_one_over_root_n():
     assert stats.units_to_decide(Interval(1.0, 0.9, 1.1, 0.95, 4), 0.97) == math.ceil(4 * (0.1 / 0.03) ** 2)
     assert stats.units_to_decide(Interval(0.97, 0.9, 1.04, 0.95, 4), 0.97) is None  # the estimate sits on the bound
     assert stats.split_level(0.95, 4) == pytest.approx(0.9875)
+
+
+def test_looks_are_planned_from_the_blocks_the_budget_holds():
+    """The first look after --rounds blocks whatever the budget; then every 2 blocks (whole ABBA pairs) while the
+    budget holds them, counting the blocks already measured; the fewer the looks, the wider each look's level."""
+    from specgate.gate.runner import planned_looks
+
+    assert planned_looks(4, 210.0, 35.0, done=1, spent_s=20.0) == [4, 6]  # 1 + 190 // 35 = 6 blocks
+    assert planned_looks(4, 100.0, 35.0, done=1, spent_s=20.0) == [4]  # the budget holds fewer than --rounds
+    assert planned_looks(4, 400.0, 35.0, done=1, spent_s=20.0) == [4, 6, 8, 10, 11]
+    assert planned_looks(2, 60.0, 10.0) == [2, 4, 6]

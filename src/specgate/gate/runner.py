@@ -400,8 +400,9 @@ class Gate:
         while set(self.alive([BASELINE, name])) == {BASELINE, name}:
             block_s = await self.measure_block(stage, block, [BASELINE, name], loads)
             block += 1
-            if block == 1:  # the budget's looks, planned from the first block's length
-                looks = planned_looks(self.options.rounds, self.options.budget_s, block_s)
+            if block == 2:  # the budget's looks, planned from the second block's length (the first block's windows
+                # are --round-s; from the second on they span rounds.STEPS_PER_WINDOW steps, often longer)
+                looks = planned_looks(self.options.rounds, self.options.budget_s, block_s, done=1, spent_s=time.perf_counter() - started - block_s)
                 level = stats.split_level(stats.LEVEL, len(looks))
                 if task is not None:
                     self.progress.update(task, total=looks[-1])
@@ -523,10 +524,10 @@ class Gate:
             await self.http.aclose()
 
 
-def planned_looks(first: int, budget_s: float, block_s: float) -> list[int]:
+def planned_looks(first: int, budget_s: float, block_s: float, done: int = 0, spent_s: float = 0.0) -> list[int]:
     """The block counts at which a stage decides: after `first` blocks (--rounds, whatever the budget), then every 2
-    (whole ABBA pairs) while the budget holds more."""
-    most = max(first, int(budget_s // max(block_s, 1e-9)))
+    (whole ABBA pairs) while the budget holds more blocks of `block_s` after `done` blocks took `spent_s`."""
+    most = max(first, done + int(max(budget_s - spent_s, 0.0) // max(block_s, 1e-9)))
     looks = list(range(first, most + 1, 2))
     return looks if looks[-1] == most else [*looks, most]
 
