@@ -163,7 +163,7 @@ def test_html_report_renders_verdict_and_plots_in_headless_chromium(embedded_run
     start = dom.index('<pre id="probe">') + len('<pre id="probe">')
     seen = json.loads(dom[start : dom.index("</pre>", start)].replace("&quot;", '"'))
     assert seen["verdict"] == report["verdict"]
-    assert len(seen["widths"]) == 2 and all(w > 100 for w in seen["widths"])
+    assert len(seen["widths"]) == 3 and all(w > 100 for w in seen["widths"])  # throughput ratio, throughput and acceptance, the traffic
     assert seen["rows"] == len(report["criteria"]) + 1
     subprocess.run([*args, f"--screenshot={tmp_path / 'shot.png'}", "--window-size=1200,900", probed.as_uri()], capture_output=True, timeout=120)
     assert (tmp_path / "shot.png").stat().st_size > 10_000  # a rendered page, not a blank one

@@ -128,8 +128,8 @@ def test_streaming_yields_the_same_text_then_done(server, client):
 def test_models_health_and_openai_errors(server, client):
     assert [m.id for m in client.models.list().data] == [server.engine.model_name]
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
-    with pytest.raises(openai.BadRequestError, match="chat template"):
-        client.chat.completions.create(model=server.engine.model_name, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="role 'tool'"):
+        client.chat.completions.create(model=server.engine.model_name, messages=[{"role": "tool", "content": "hi"}])
     cases = [
         ({"prompt": "x", "temperature": -1.0}, 400, "temperature"),
         ({"prompt": "x", "n": 2}, 400, "n"),
@@ -292,3 +292,19 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health").status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_chat_without_a_template_takes_the_plain_turn_format(server, client):
+    """A model without a chat template (a base model) answers chat in specgate.chat's plain format, tokenized as
+    a completion's prompt: the same tokens, hence the same greedy reply, as /v1/completions of the rendered text
+    (what the gate's clients send every engine)."""
+    from specgate import chat
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    reply = client.chat.completions.create(model=server.engine.model_name, messages=messages, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+    text = chat.render_plain(messages)
+    assert text == "System: Be brief.\n\nUser: Name a colour.\n\nAssistant:"
+    completion = client.completions.create(model=server.engine.model_name, prompt=text, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == completion.choices[0].text
+    assert reply.usage.prompt_tokens == completion.usage.prompt_tokens
+

@@ -97,11 +97,12 @@ def register(app: typer.Typer) -> None:
 
     def gate(**args: Any) -> None:
         """Measure speculation against a baseline in paired, interleaved rounds and decide GO / NO-GO / INCONCLUSIVE, with a report."""
-        from specgate.gate.runner import check_out_dir
+        from specgate.gate.runner import check_out_dir, make_plan, target_tokenizer
 
         options = gate_options(args)
         check_out_dir(options.out)
-        report = _run_with_progress(options)
+        plan = make_plan(options, target_tokenizer(options.target))  # a bad --workload is one line, before any progress
+        report = _run_with_progress(options, plan)
         summary = _summary(report)
         if args["json_output"]:
             common.print_json(summary)
@@ -114,7 +115,7 @@ def register(app: typer.Typer) -> None:
     app.command(name="gate")(gate)
 
 
-def _run_with_progress(options: Any) -> dict:
+def _run_with_progress(options: Any, plan: Any) -> dict:
     """run_gate with progress bars and log lines on stderr; the report."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -127,7 +128,7 @@ def _run_with_progress(options: Any) -> dict:
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        return run_gate(options, progress=progress, log=log)
+        return run_gate(options, plan=plan, progress=progress, log=log)
 
 
 def _summary(report: dict) -> dict:

@@ -36,6 +36,9 @@ class RequestSpec:
     seed: int | None = None
     ignore_eos: bool = True
     stop: list[str] | None = None
+    top_p: float | None = None  # a replayed log's own sampling settings (None: the engine's default)
+    top_k: int | None = None
+    arrival_s: float | None = None  # a replayed log's arrival time, from its first request (--arrivals recorded)
 
 
 @dataclass
@@ -124,6 +127,10 @@ class Client:
             body["seed"] = spec.seed
         if spec.stop:
             body["stop"] = spec.stop
+        if spec.top_p is not None:
+            body["top_p"] = spec.top_p
+        if spec.top_k is not None:
+            body["top_k"] = spec.top_k
         return body
 
     async def complete(self, spec: RequestSpec, record: RequestRecord, on_first_token: Callable[[], None] | None = None) -> RequestRecord:

@@ -15,6 +15,8 @@ margin. The verdict judges the target concurrency and the open-loop Poisson load
 and, reported beside and binding only with --require: TTFT p95 no worse than the tolerance, ITL p95 improved,
 memory headroom. Each criterion is PASS, FAIL or UNDECIDED (its interval straddles the bound) or N/A; the verdict
 is NO-GO when a binding criterion FAILs, INCONCLUSIVE when one is UNDECIDED, GO when all PASS.
+Per prompt category (analyse_categories, from the fixed-work greedy phase: the rounds mix categories) the same
+rule on the decode speedup says where speculation pays and where it loses: reported beside the verdict, never binding.
 
 One accounting (every target step, with drafts or without): over a window, T tokens were generated in
 S = T - A target steps (A accepted drafts), D of them with drafts totalling G draft tokens. Then
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -184,15 +187,22 @@ def _accounting(pairs: list[tuple[Window, Window]], blocks: np.ndarray) -> dict[
     if any(c is None for c in counts):
         return {}
     D, G, A, T = (float(sum(c[k] for c in counts)) for k in range(4))  # type: ignore[index]
+    base_tpot = _pooled_tpot([pairs[i][0] for i in blocks])
+    spec_tpot = _pooled_tpot([pairs[i][1] for i in blocks])
+    return accounting(D, G, A, T, spec_tpot / base_tpot if base_tpot and spec_tpot else None)
+
+
+def accounting(drafts: float, draft_tokens: float, accepted: float, generated: float, tpot_ratio: float | None) -> dict[str, float | None]:
+    """The one accounting (module docstring) of D drafts, G draft tokens, A accepted and T generated tokens:
+    AR, AL, T/S, g, G/S and alpha; with tpot_ratio (configuration TPOT / baseline TPOT, same requests) also c and alpha_min."""
+    D, G, A, T = drafts, draft_tokens, accepted, generated
     steps = T - A
     out: dict[str, float | None] = {"ar": A / G if G else None, "al": 1.0 + A / D if D else None,
                                     "tokens_per_step": T / steps if steps > 0 else None, "draft_len": G / D if D else None,
                                     "drafts_per_step": G / steps if steps > 0 else None}
     out["alpha"] = alpha_from_al(out["al"], out["draft_len"]) if out["al"] is not None and out["draft_len"] else None
-    base_tpot = _pooled_tpot([pairs[i][0] for i in blocks])
-    spec_tpot = _pooled_tpot([pairs[i][1] for i in blocks])
-    if base_tpot and spec_tpot and out["tokens_per_step"] and G:
-        r = spec_tpot * out["tokens_per_step"] / base_tpot  # decode time per target step, over the baseline's
+    if tpot_ratio and out["tokens_per_step"] and G:
+        r = tpot_ratio * out["tokens_per_step"]  # decode time per target step, over the baseline's
         out["c"] = (r - 1.0) * steps / G
         out["alpha_min"] = alpha_min_at(out["draft_len"] or 0.0, out["c"]) if out["draft_len"] else None
     return out
@@ -354,6 +364,114 @@ def _acceptance_criterion(a: LoadAnalysis) -> Criterion:
                      needed=_needed(s, 1.0, None) if state == State.UNDECIDED else None)
 
 
+# ------------------------------------------------------------------------------------------ per category
+
+
+class CategoryState(str, Enum):
+    """The lesson's rule on one category's decode speedup (reported beside the verdict, never binding)."""
+
+    PAYS = "pays"  # the interval's lower bound > 1
+    LOSES = "loses"  # its upper bound < 1 - margin
+    WITHIN_NOISE = "within noise"
+    NA = "n/a"  # no prompt of the category has a greedy TPOT on both servers
+
+
+@dataclass
+class CategoryAnalysis:
+    """One prompt category of the fixed-work greedy phase (every server on the same requests, at --max-num-seqs)."""
+
+    category: str
+    prompts: int  # the category's prompts in the plan
+    paired: int  # those with a TPOT on both servers: the units of the interval
+    level: float
+    decode_speedup: Interval | None  # geometric mean over its prompts of baseline TPOT / configuration TPOT
+    acceptance: Acceptance  # the one accounting over its one counter window: point estimates (unbounded, n = 1)
+    state: CategoryState
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"category": self.category, "prompts": self.prompts, "paired": self.paired, "level": self.level,
+                "decode_speedup": self.decode_speedup.to_dict() if self.decode_speedup else None,
+                "acceptance": self.acceptance.to_dict(), "state": self.state.value, "reason": self.reason}
+
+
+def analyse_categories(baseline: ConfigRun, run: ConfigRun, categories: dict[str, str], options: GateOptions,
+                       level: float) -> list[CategoryAnalysis]:
+    """Per category (categories: prompt id -> category): the decode speedup paired by prompt (stats.paired_ratio on
+    ConfigRun.greedy_tpot), AR / AL / alpha / c / alpha_min from the category's counter window, and the rule there.
+
+    The paired rounds mix categories, so the greedy phase is where a category stands alone. Its prompts ran in one
+    batch: the interval holds the prompt-to-prompt spread, not the drift between runs that the rounds' intervals hold."""
+    names = list(dict.fromkeys([*categories.values(), *run.per_category, *baseline.per_category]))
+    out = []
+    for name in names:
+        ids = [p for p, c in categories.items() if c == name]
+        pairs = [(baseline.greedy_tpot[p], run.greedy_tpot[p]) for p in ids if baseline.greedy_tpot.get(p) and run.greedy_tpot.get(p)]
+        speedup = stats.paired_ratio([b for b, _ in pairs], [c for _, c in pairs], level)
+        counts = _category_counts(run.per_category.get(name), run.per_category_latency.get(name))
+        figures = accounting(*counts, 1.0 / speedup.estimate if speedup else None) if counts else {}
+        state, reason = _category_rule(speedup, options.margin)
+        prompts = len(ids) or int((run.per_category_latency.get(name) or {}).get("requests") or 0)
+        out.append(CategoryAnalysis(name, prompts, len(pairs), level, speedup, _point_acceptance(figures, level), state, reason))
+    return out
+
+
+def _category_counts(window: dict[str, Any] | None, latency: dict[str, Any] | None) -> tuple[float, float, float, float] | None:
+    """(D, G, A, T) of a category's counter window (prom.SpecWindow.to_dict); T from the client where not exported."""
+    if not window or window.get("flavour") in (None, "sglang"):  # SGLang exports gauges, not counters to take deltas of
+        return None
+    generated = window.get("generation_tokens") or (latency or {}).get("output_tokens")
+    if not generated:
+        return None
+    return (float(window.get("num_drafts") or 0.0), float(window.get("num_draft_tokens") or 0.0),
+            float(window.get("num_accepted_tokens") or 0.0), float(generated))
+
+
+def _point_acceptance(figures: dict[str, float | None], level: float) -> Acceptance:
+    """The accounting's figures of a single window: one unit, so no spread is known (as acceptance_at for one round)."""
+    def point(key: str) -> Interval | None:
+        value = figures.get(key)
+        return None if value is None else Interval(float(value), -math.inf, math.inf, level, 1)
+
+    return Acceptance(ar=point("ar"), al=point("al"), tokens_per_step=point("tokens_per_step"), draft_len=figures.get("draft_len"),
+                      drafts_per_step=figures.get("drafts_per_step"), alpha=point("alpha"), c=point("c"), alpha_min=point("alpha_min"))
+
+
+def _category_rule(speedup: Interval | None, margin: float) -> tuple[CategoryState, str]:
+    """pays: lower bound > 1; loses: upper bound < 1 - margin; else within noise; n/a without a paired TPOT."""
+    if speedup is None:
+        return CategoryState.NA, "n/a: no prompt of it has a greedy-phase TPOT on both servers"
+    bound = 1.0 - margin
+    where = f"decode speedup {speedup.text()} over {speedup.n} prompt(s) ({speedup.level:.1%} t interval on the per-prompt logs)"
+    if speedup.low > 1.0:
+        return CategoryState.PAYS, f"{where}: its lower bound {stats.fmt(speedup.low)} > 1"
+    if speedup.high < bound:
+        return CategoryState.LOSES, f"{where}: its upper bound {stats.fmt(speedup.high)} < {stats.fmt(bound)} (1 - margin {margin:g})"
+    return CategoryState.WITHIN_NOISE, f"{where}: neither wholly above 1 nor wholly below {stats.fmt(bound)} (1 - margin {margin:g})"
+
+
+def category_summary(analyses: list[CategoryAnalysis], engine: str) -> dict[str, Any]:
+    """Which categories pay, lose or are undecided, and the report's sentence on what the losing ones mean on this
+    engine: specgate can turn speculation off per request, the other engines speculate for every request."""
+    named = {state: [a.category for a in analyses if a.state == state] for state in CategoryState}
+    pays, loses, noise = named[CategoryState.PAYS], named[CategoryState.LOSES], named[CategoryState.WITHIN_NOISE]
+    if loses and engine == "specgate":
+        sentence = (f"specgate can leave speculation off per request: categories that lose ({', '.join(loses)}) would be served "
+                    "without it (--policy adaptive chooses each request's draft length, 0 included)")
+    elif loses:
+        sentence = f"this engine ({engine}) speculates for every request: the categories that lose ({', '.join(loses)}) pay for the others"
+    elif pays or noise:
+        sentence = "no category loses beyond the margin" + (f"; speculation pays on {', '.join(pays)}" if pays else "")
+    else:
+        sentence = "per-category decode speedups not measured (no per-request TPOT of the greedy phase)"
+    if loses and not pays:
+        sentence += "; no category measurably pays"
+    if noise:
+        sentence += f"; within noise: {', '.join(noise)}"
+    return {"engine": engine, "pays": pays, "loses": loses, "within_noise": noise, "not_measured": named[CategoryState.NA],
+            "binding": False, "sentence": sentence}
+
+
 # ------------------------------------------------------------------------------------------ one configuration
 
 
@@ -367,6 +485,8 @@ class ConfigDecision:
     quality: dict[str, Any]
     level: float  # the confidence of its throughput and acceptance intervals (family-wise over looks)
     schedule: dict[str, Any] = field(default_factory=dict)
+    categories: list[CategoryAnalysis] = field(default_factory=list)  # the greedy phase per category: reported, not binding
+    category_summary: dict[str, Any] = field(default_factory=dict)
 
     def load(self, name: str) -> LoadAnalysis | None:
         return next((a for a in self.loads if a.load == name), None)
@@ -377,7 +497,8 @@ class ConfigDecision:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "stage": self.stage, "verdict": self.verdict, "level": self.level,
                 "criteria": [c.to_dict() for c in self.criteria], "loads": [a.to_dict() for a in self.loads],
-                "quality": _jsonable_quality(self.quality), "schedule": self.schedule}
+                "quality": _jsonable_quality(self.quality), "schedule": self.schedule,
+                "categories": [a.to_dict() for a in self.categories], "category_summary": self.category_summary}
 
 
 def _jsonable_quality(q: dict[str, Any]) -> dict[str, Any]:
@@ -408,8 +529,9 @@ def quality_of(baseline: ConfigRun, run: ConfigRun, plan: Any, options: GateOpti
 
 
 def decide_config(baseline: ConfigRun, run: ConfigRun, stage: str, loads: list[str], q: dict[str, Any], options: GateOptions,
-                  level: float) -> ConfigDecision:
-    """Every criterion of the module docstring for one configuration in one stage, and its verdict."""
+                  level: float, categories: dict[str, str] | None = None) -> ConfigDecision:
+    """Every criterion of the module docstring for one configuration in one stage, and its verdict; beside it, the
+    greedy phase per category (categories: prompt id -> category; without it, acceptance per category only)."""
     analyses = [analyse_load(baseline, run, stage, load, options, level) for load in loads]
     target = f"c{options.judged_concurrency}"
     at_target = next((a for a in analyses if a.load == target), None)
@@ -429,6 +551,10 @@ def decide_config(baseline: ConfigRun, run: ConfigRun, stage: str, loads: list[s
             c.binding = c.name in required
     decision = ConfigDecision(run.name, stage, verdict_of(criteria), criteria, analyses, q, level)
     decision.schedule = schedule_exports(decision, run, options.max_num_seqs, is_specgate_head(run.draft or "", options.target) and run.engine == "specgate")
+    # the greedy phase ran once, not at each look: its level is family-wise over the categories alone
+    named = set((categories or {}).values()) | set(run.per_category)
+    decision.categories = analyse_categories(baseline, run, categories or {}, options, stats.split_level(stats.LEVEL, max(len(named), 1)))
+    decision.category_summary = category_summary(decision.categories, run.engine)
     return decision
 
 
@@ -694,6 +820,7 @@ class GateResult:
     stages: dict[str, dict[str, Any]]
     notes: list[str]
     perplexity: dict[str, Any] | None = None
+    category_summary: dict[str, Any] | None = None  # of the configuration it speaks for (else the one the advice is based on)
 
     def decision(self, name: str) -> ConfigDecision | None:
         if self.confirmation is not None and self.confirmation.name == name:
@@ -704,13 +831,15 @@ class GateResult:
 def conclude(advice: Advice | None, screening: dict[str, ConfigDecision], confirmation: ConfigDecision | None,
              runs: dict[str, ConfigRun], stages: dict[str, dict[str, Any]], notes: list[str], perplexity: dict | None) -> GateResult:
     """The headline: the confirmation's verdict; without one (--no-recommend), the chosen configuration's screening
-    verdict; NO-GO when nothing is to be recommended."""
+    verdict; NO-GO when nothing is to be recommended. The category summary rides along: it never changes the verdict."""
     if confirmation is not None:
         return GateResult(confirmation.verdict, confirmation.name, advice or Advice("config", confirmation.name, "the endpoint as it runs"),
-                          confirmation.criteria, screening, confirmation, runs, stages, notes, perplexity)
-    if advice is not None and advice.kind != "off" and advice.based_on in screening:
-        chosen = screening[advice.based_on]
-        return GateResult(chosen.verdict, chosen.name, advice, chosen.criteria, screening, None, runs, stages, notes, perplexity)
+                          confirmation.criteria, screening, confirmation, runs, stages, notes, perplexity, confirmation.category_summary)
+    based_on = screening.get(advice.based_on) if advice is not None and advice.based_on else None
+    if advice is not None and advice.kind != "off" and based_on is not None:
+        return GateResult(based_on.verdict, based_on.name, advice, based_on.criteria, screening, None, runs, stages, notes, perplexity,
+                          based_on.category_summary)
     reason = advice.reason if advice else "no speculative configuration was measured"
     off = [Criterion("recommendation", State.FAIL, reason)]
-    return GateResult("NO-GO", None, advice or Advice("off", None, reason), off, screening, None, runs, stages, notes, perplexity)
+    return GateResult("NO-GO", None, advice or Advice("off", None, reason), off, screening, None, runs, stages, notes, perplexity,
+                      based_on.category_summary if based_on else None)

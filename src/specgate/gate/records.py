@@ -1,7 +1,7 @@
 """What the gate measured of one configuration's server, as typed records (the decision reads only these).
 
 A `ConfigRun` holds a configuration's identity (engine, method, draft length, policy, command), the outputs of its
-fixed-work phases (greedy texts per prompt, math answers, sampled continuations and their scores under the target,
+fixed-work phases (greedy texts and TPOTs per prompt, math answers, sampled continuations and their scores under the target,
 acceptance per category), its paired-round `Window`s (runner.STAGES), its memory and, when its server died, why.
 """
 
@@ -44,7 +44,8 @@ class ConfigRun:
     startup_s: float | None = None
     failure: str | None = None  # why its server could not be measured to the end
     phases: list[dict[str, Any]] = field(default_factory=list)  # fixed-work phases: {name, wall_s, failed}
-    greedy: dict[str, str] = field(default_factory=dict)  # prompt id -> greedy text (concurrency 1)
+    greedy: dict[str, str] = field(default_factory=dict)  # prompt id -> greedy text (batched at --max-num-seqs)
+    greedy_tpot: dict[str, float] = field(default_factory=dict)  # prompt id -> TPOT (s) of its greedy request: speedup per category
     per_category: dict[str, dict | None] = field(default_factory=dict)  # category -> counter window of its greedy phase
     per_category_latency: dict[str, dict] = field(default_factory=dict)
     math_outputs: dict[str, str] = field(default_factory=dict)
@@ -75,6 +76,6 @@ class ConfigRun:
             "per_category": self.per_category, "per_category_latency": self.per_category_latency, "memory": self.memory,
             "spec_total": total.to_dict() if total else None, "timings_total": self.timings, "server": self.server,
             "windows": [w.to_dict() for w in self.windows],
-            "greedy": self.greedy, "math_outputs": self.math_outputs, "samples": self.samples,
+            "greedy": self.greedy, "greedy_tpot": self.greedy_tpot, "math_outputs": self.math_outputs, "samples": self.samples,
             "scores": {k: v.__dict__ for k, v in self.scores.items()},
         }

@@ -4,7 +4,9 @@ report.json: `verdict` (GO / NO-GO / INCONCLUSIVE), `config` (what it speaks for
 headline's, each with its state, load, estimate, interval, threshold, reason and what would decide it), `configs`
 (every decided configuration: screening decisions, and `recommended`'s confirmation), `stages` (blocks, looks,
 confidence level, budget), `measurements` (every run's records: fixed-work outputs and paired-round windows),
-`perplexity`, `notes`, `definitions`, `options`. report.md and a self-contained report.html say the same for people,
+`perplexity`, `notes`, `definitions`, `options`, `traffic` (the measured workload, as the runner describes it: source,
+prompts, skipped, token lengths, categories; null when not recorded). Every configuration carries `categories` (the
+greedy phase per category) and `category_summary`; the recommendation carries the summary it speaks for. report.md and a self-contained report.html say the same for people,
 with plots (the throughput ratio with its interval per load for every configuration first); requests.jsonl holds one
 row per request.
 """
@@ -40,6 +42,7 @@ DEFINITIONS = {
     "alpha_min": "the alpha at which E[T](alpha, g) = 1 + g c: speculation pays above it (0 when c <= 0)",
     "predicted speedup": "(tokens per step) / (step time ratio) = baseline TPOT / configuration TPOT: above 1 exactly when alpha > alpha_min",
     "measured speedup": "the closed-loop throughput ratio at the same concurrency (prefill and HTTP included)",
+    "per-category decode speedup": "from the fixed-work greedy phase (same requests on every server, one batch per category): the geometric mean over the category's prompts of baseline TPOT / configuration TPOT, a t interval on the logs; pays: lower bound > 1, loses: upper bound < 1 - margin; reported, not binding",
     "INCONCLUSIVE": "a binding criterion's interval still straddles its bound when the budget is spent; the report says how much more would decide it",
 }
 
@@ -68,8 +71,9 @@ def acceptance_summary(run: Any) -> dict[str, Any] | None:
     return None
 
 
-def build_report(options: GateOptions, plan: Any, result: GateResult, *, tokenizer: Any = None, wall_s: float) -> dict[str, Any]:
-    """The report dict (report.json), from the decision's records."""
+def build_report(options: GateOptions, plan: Any, result: GateResult, *, tokenizer: Any = None, wall_s: float,
+                 traffic: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report dict (report.json), from the decision's records; `traffic` (else `plan.traffic`) describes the workload."""
     baseline = result.runs.get("baseline")
     configs: dict[str, Any] = {}
     for d in [*result.screening.values(), *([result.confirmation] if result.confirmation else [])]:
@@ -87,6 +91,7 @@ def build_report(options: GateOptions, plan: Any, result: GateResult, *, tokeniz
         "recommendation": _recommendation(result), "criteria": [c.to_dict() for c in result.criteria], "configs": configs,
         "stages": result.stages, "measurements": {name: run.to_dict() for name, run in result.runs.items()},
         "perplexity": result.perplexity, "notes": result.notes, "definitions": DEFINITIONS,
+        "traffic": traffic if traffic is not None else getattr(plan, "traffic", None),
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()}, "wall_s": wall_s,
     }
 
@@ -97,14 +102,14 @@ def _recommendation(result: GateResult) -> dict[str, Any]:
     if advice.kind == "off" or result.config is None:
         return {"kind": "off", "config": "off", "based_on": advice.based_on, "reason": advice.reason, "verdict": result.verdict,
                 "command": baseline.command if baseline else None, "engine": baseline.engine if baseline else None, "measured": bool(baseline and baseline.windows),
-                "throughput_ratio": {}, "within_noise": advice.within_noise, "gamma_table": None}
+                "throughput_ratio": {}, "within_noise": advice.within_noise, "gamma_table": None, "category_summary": result.category_summary}
     decided = result.decision(result.config)
     run = result.runs[result.config]
     return {
         "kind": advice.kind, "config": result.config, "based_on": advice.based_on, "reason": advice.reason, "verdict": result.verdict,
         "command": run.command, "engine": run.engine, "measured": bool(run.windows) and not run.failure,
         "throughput_ratio": {a.load: (a.throughput_ratio.to_dict() if a.throughput_ratio else None) for a in (decided.loads if decided else [])},
-        "within_noise": advice.within_noise, "gamma_table": advice.gamma_table,
+        "within_noise": advice.within_noise, "gamma_table": advice.gamma_table, "category_summary": result.category_summary,
     }
 
 
@@ -162,6 +167,62 @@ def load_rows(config: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def category_config(report: dict[str, Any]) -> str | None:
+    """The configuration whose categories the report shows: the one the verdict speaks for, else the advice's basis."""
+    name = report["config"] or report["recommendation"].get("based_on")
+    return name if name in report["configs"] else None
+
+
+def _point(d: dict[str, Any] | None) -> str:
+    """An interval measured over one unit (unbounded) as its estimate alone, else 'estimate [low, high]'."""
+    if d and (d.get("low") is None or d.get("high") is None or not math.isfinite(d["low"]) or not math.isfinite(d["high"])):
+        return _f(d.get("estimate"))
+    return _iv(d)
+
+
+def category_rows(config: dict[str, Any]) -> list[list[str]]:
+    return [[a["category"], str(a["prompts"]), _point(a["acceptance"].get("ar")), _point(a["acceptance"].get("al")),
+             _iv(a["decode_speedup"]), a["state"], a["reason"]] for a in config.get("categories") or []]
+
+
+def category_lines(report: dict[str, Any]) -> list[str]:
+    """The greedy phase per category of the configuration the verdict speaks for, and the summary sentence."""
+    name = category_config(report)
+    config = report["configs"].get(name) if name else None
+    if not config or not config.get("categories"):
+        return []
+    return [f"## Per category (`{name}`)", "", _category_intro(report, config), "", *_table(CATEGORY_HEADER, category_rows(config)),
+            "", f"**{_category_sentence(config)}**"]
+
+
+def _category_intro(report: dict[str, Any], config: dict[str, Any]) -> str:
+    return (f"From the fixed-work greedy phase: every server ran the same requests, one batch per category at concurrency "
+            f"{report['options'].get('max_num_seqs')} (--max-num-seqs); intervals at {config['categories'][0]['level']:.2%} "
+            "(95% family-wise over the categories). Reported, not binding: the verdict judges the mix.")
+
+
+def _category_sentence(config: dict[str, Any]) -> str:
+    sentence = (config.get("category_summary") or {}).get("sentence") or "n/a"
+    return sentence[:1].upper() + sentence[1:] + "."
+
+
+def traffic_lines(report: dict[str, Any]) -> list[str]:
+    """What was measured, so a reader can tell whether it is like their traffic: source, counts, lengths, category mix."""
+    t = report.get("traffic")
+    if not t:
+        return []
+    skipped = ", ".join(f"{reason}: {n}" for reason, n in (t.get("skipped") or {}).items()) or "none"
+    lines = ["## Traffic", "", f"- Source: {t.get('source') or 'n/a'}; {_f(t.get('prompts'))} prompts measured; skipped: {skipped}."]
+    for key, label in (("prompt_tokens", "Prompt tokens"), ("output_tokens", "Output tokens")):
+        q = (t.get("quantiles") or {}).get(key) or {}
+        lines.append(f"- {label}: " + ", ".join(f"{k} {_f(q.get(k))}" for k in ("p10", "p50", "p90", "max")) + ".")
+    mix = t.get("categories") or {}
+    total = sum(mix.values())
+    lines.append("- Categories: " + (", ".join(f"{k} {n} ({n / total:.0%})" for k, n in mix.items()) if total else "n/a") + ".")
+    return lines
+
+
+CATEGORY_HEADER = ["category", "prompts", "AR", "AL", "decode speedup [interval]", "state", "reason"]
 LOAD_HEADER = ["load", "speculating", "rounds", "throughput ratio", "predicted S (decode)", "alpha", "alpha_min", "c", "g", "schedule gamma", "rule"]
 CRITERIA_HEADER = ["criterion", "load", "estimate [interval]", "threshold", "result", "why"]
 
@@ -178,6 +239,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     for name, stage in report["stages"].items():
         lines += ["", f"Stage `{name}`: {stage['blocks']} blocks of paired rounds over loads {', '.join(stage['loads'])} in {stage['wall_s']:.0f} s; "
                   f"intervals at {stage['level']:.2%} ({stage['looks']} planned look(s), 95% family-wise)."]
+    for section in (category_lines(report), traffic_lines(report)):
+        lines += ([""] + section) if section else []
     for name, c in report["configs"].items():
         lines += ["", f"## `{name}` ({c.get('engine') or 'unknown'}, {c['stage']}): {c['verdict']}", ""]
         if c.get("command"):
@@ -298,7 +361,30 @@ def make_plots(report: dict[str, Any]) -> dict[str, str]:
     ax1.grid(alpha=0.3)
     _acceptance_plot(report, ax2)
     plots["throughput_acceptance"] = _png(fig)
+    if report.get("traffic"):
+        plots["traffic"] = _traffic_plot(report["traffic"])
     return plots
+
+
+def _traffic_plot(traffic: dict[str, Any]) -> str:
+    """The measured workload: prompt-length and output-length histograms and the category mix."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), layout="constrained")
+    for ax, key, title in ((axes[0], "prompt_tokens", "Prompt length"), (axes[1], "output_tokens", "Output length")):
+        values = [v for v in traffic.get(key) or [] if isinstance(v, (int, float))]
+        if values:
+            ax.hist(values, bins=min(30, max(5, len(set(values)))), color="C0")
+        else:
+            ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.set(xlabel="tokens", ylabel="prompts", title=f"{title} ({len(values)} prompts)")
+        ax.grid(alpha=0.3)
+    mix = traffic.get("categories") or {}
+    axes[2].bar(list(mix), list(mix.values()), color="C1")
+    axes[2].set(ylabel="prompts", title="Category mix")
+    axes[2].tick_params(axis="x", labelrotation=30)
+    fig.suptitle(f"Traffic measured: {traffic.get('source') or 'n/a'}", fontsize=10)
+    return _png(fig)
 
 
 def _acceptance_plot(report: dict[str, Any], ax: Any) -> None:
@@ -337,6 +423,7 @@ def render_html(report: dict[str, Any], plots: dict[str, str]) -> str:
     images = "".join(f"<figure><img class='plot' id='plot-{e(name)}' alt='{e(name)}' src='data:image/png;base64,{data}'></figure>" for name, data in plots.items())
     notes = "".join(f"<li>{e(n)}</li>" for n in report["notes"])
     definitions = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in report["definitions"].items())
+    categories, traffic = _category_html(report), _traffic_html(report)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>specgate gate: {e(verdict)}</title>
 <style>
@@ -345,6 +432,7 @@ body {{ font-family: sans-serif; margin: 2em; max-width: 1200px; }}
 table {{ border-collapse: collapse; font-size: 0.85em; }} td, th {{ border: 1px solid #ccc; padding: 3px 6px; vertical-align: top; }}
 tr.pass td:nth-child(5) {{ color: #1a7f37; font-weight: bold; }} tr.fail td:nth-child(5) {{ color: #b42318; font-weight: bold; }}
 tr.undecided td:nth-child(5) {{ color: #9a6700; font-weight: bold; }}
+#categories tr.pays td:nth-child(6) {{ color: #1a7f37; font-weight: bold; }} #categories tr.loses td:nth-child(6) {{ color: #b42318; font-weight: bold; }}
 img.plot {{ max-width: 100%; }} pre {{ background: #f6f8fa; padding: 8px; overflow-x: auto; }}
 </style></head><body>
 <h1>specgate gate</h1>
@@ -354,12 +442,34 @@ img.plot {{ max-width: 100%; }} pre {{ background: #f6f8fa; padding: 8px; overfl
 {recommendation}
 <h2>Criteria of <code>{e(str(report['config']))}</code></h2>
 <table id="criteria"><tr>{''.join(f'<th>{e(h)}</th>' for h in CRITERIA_HEADER)}</tr>{rows}</table>
+{categories}
+{traffic}
 <h2>Plots</h2>{images}
 <h2>Configurations</h2>{configs}
 <h2>Greedy mismatches</h2><ul id="mismatches">{mismatches or '<li>none</li>'}</ul>
 <h2>Definitions</h2><dl>{definitions}</dl>
 </body></html>
 """
+
+
+def _category_html(report: dict[str, Any]) -> str:
+    """The per-category table of report.md's section, as HTML ('' when there is none)."""
+    e = html.escape
+    name = category_config(report)
+    config = report["configs"][name] if name else {}
+    if not config.get("categories"):
+        return ""
+    rows = "".join(f"<tr class='{e(a['state'].replace(' ', '-'))}'>" + "".join(f"<td>{e(x)}</td>" for x in row) + "</tr>"
+                   for a, row in zip(config["categories"], category_rows(config)))
+    return (f"<h2>Per category ({e(name)})</h2><p>{e(_category_intro(report, config))}</p><table id='categories'><tr>"
+            f"{''.join(f'<th>{e(h)}</th>' for h in CATEGORY_HEADER)}</tr>{rows}</table><p><b>{e(_category_sentence(config))}</b></p>")
+
+
+def _traffic_html(report: dict[str, Any]) -> str:
+    """report.md's Traffic section as HTML ('' without `traffic`)."""
+    lines = traffic_lines(report)
+    items = "".join(f"<li>{html.escape(line[2:])}</li>" for line in lines if line.startswith("- "))
+    return f"<h2>Traffic</h2><ul id='traffic'>{items}</ul>" if lines else ""
 
 
 def write_outputs(out: Path, report: dict[str, Any], records: list[dict]) -> dict[str, Any]:

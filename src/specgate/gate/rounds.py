@@ -216,20 +216,46 @@ async def closed_round(target: Target, load: Load, specs: Sequence[gate_client.R
     return round_, before, after
 
 
-async def open_round(target: Target, load: Load, specs: Sequence[gate_client.RequestSpec], block: int, window_s: float, seed: int) -> tuple[_Round, Any, Any]:
-    """Run one open-loop round at load.qps: arrivals from the block's seeded Poisson process."""
+def recorded_arrivals(specs: Sequence[gate_client.RequestSpec], horizon_s: float) -> list[tuple[float, gate_client.RequestSpec]]:
+    """A request log's own arrivals (spec.arrival_s, from its first request) in its order, replayed again after its
+    last request (one mean gap later) until `horizon_s`: the log's rate and burstiness, as long as a round needs."""
+    ordered = sorted(specs, key=lambda spec: spec.arrival_s or 0.0)
+    period = replay_period_s(ordered)
+    out: list[tuple[float, gate_client.RequestSpec]] = []
+    offset = 0.0
+    while offset < horizon_s:
+        out += [(offset + (spec.arrival_s or 0.0), spec) for spec in ordered if offset + (spec.arrival_s or 0.0) < horizon_s]
+        offset += period
+    return out
+
+
+def replay_period_s(specs: Sequence[gate_client.RequestSpec]) -> float:
+    """How long one pass of a log's arrivals lasts when replayed in a loop: its span plus one mean gap (1 s for a
+    log of one request or of simultaneous ones)."""
+    last = max(spec.arrival_s or 0.0 for spec in specs)
+    return last + (last / (len(specs) - 1) if len(specs) > 1 and last > 0 else 1.0)
+
+
+async def open_round(target: Target, load: Load, specs: Sequence[gate_client.RequestSpec], block: int, window_s: float, seed: int,
+                     recorded: bool = False) -> tuple[_Round, Any, Any]:
+    """Run one open-loop round: arrivals from the block's seeded Poisson process at load.qps, or (recorded) the
+    requests' own arrival times in their own order."""
     round_ = _Round(target, load, block)
     warmup = poisson_warmup_s(window_s)
-    times = arrivals_s(float(load.qps or 1.0), block, seed, warmup + 4.0 * window_s + 60.0)  # far more than the round needs
-    sequence = cycle(specs)
+    horizon = warmup + 4.0 * window_s + 60.0  # far more than the round needs
+    if recorded:
+        schedule = recorded_arrivals(specs, horizon)
+    else:
+        sequence = cycle(specs)
+        schedule = [(at, next(sequence)) for at in arrivals_s(float(load.qps or 1.0), block, seed, horizon)]
     requests: list[asyncio.Task] = []
 
     async def arrive() -> None:
-        for at in times:
+        for at, spec in schedule:
             if round_.done.is_set():
                 return
             await asyncio.sleep(max(at - round_.now(), 0.0))
-            requests.append(asyncio.create_task(_send(round_, next(sequence))))
+            requests.append(asyncio.create_task(_send(round_, spec)))
 
     arrivals = asyncio.create_task(arrive())
     before, after = await _window(round_, [arrivals], asyncio.sleep(warmup), window_s, requests)

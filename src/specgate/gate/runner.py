@@ -44,7 +44,7 @@ RECOMMENDED = "recommended"
 MEMORY_SHARE = 0.7  # servers kept up together may take this share of the memory available when the baseline is up
 BASELINE = "baseline"
 
-__all__ = ["GateOptions", "resolve_dtype", "run_gate", "check_out_dir", "make_plan"]
+__all__ = ["GateOptions", "resolve_dtype", "run_gate", "check_out_dir", "make_plan", "target_tokenizer"]
 
 
 def check_out_dir(out: Path) -> Path:
@@ -118,26 +118,89 @@ class Plan:
     math_items: list[wl.MathItem]
     categories: dict[str, str]
     sample_prompts: dict[str, str]  # sample id -> its prompt (for scoring)
+    traffic: dict[str, Any] | None = None  # the workload at a glance (workload.describe), for the report
+    recorded: bool = False  # open-loop rounds replay the load's own arrival times, in its order (--arrivals recorded)
 
     @property
     def fixed_requests(self) -> int:
         return 1 + sum(len(v) for v in self.greedy_by_category.values()) + len(self.math) + len(self.sample)
 
 
-def make_plan(options: GateOptions) -> Plan:
-    prompts = wl.take_balanced(wl.load_prompts(options.workload), options.per_category)
+def target_tokenizer(target: str) -> Any:
+    """The target's tokenizer where it is local (the embedded default, an HF directory, a .gguf), else None: then
+    token counts are estimated and chat turns take the plain format (specgate.chat)."""
+    from specgate.models import loading
+
+    path = Path(target).expanduser()
+    try:
+        if target == loading.DEFAULT_MODEL:
+            return loading.load_tokenizer(loading.ensure_default_model())
+        if path.is_dir() and (path / "config.json").is_file():
+            return loading.load_tokenizer(path)
+        if path.is_file() and path.suffix == ".gguf":
+            return loading.load_tokenizer(path.parent, gguf_file=path.name)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def load_workload(options: GateOptions, tokenizer: Any) -> wl.Traffic:
+    """--workload as prompts: the built-in set balanced by category, any other source through workload.load_traffic
+    (chat turns rendered as the target's servers render them, so every engine gets the same text)."""
+    from specgate import chat
+
+    count = (lambda text: len(tokenizer(text)["input_ids"])) if tokenizer is not None else None
+    if options.workload == wl.BUILTIN and options.arrivals != "recorded":
+        traffic = wl.load_traffic(wl.BUILTIN, count_tokens=count, max_context=options.max_seq_len, max_tokens=options.max_tokens,
+                                  categories=options.workload_category or None)
+        return replace(traffic, prompts=wl.take_balanced(traffic.prompts, options.per_category))
+    traffic = wl.load_traffic(options.workload, count_tokens=count, render=lambda messages: chat.render_for_completions(tokenizer, messages),
+                              max_context=options.max_seq_len, max_tokens=options.max_tokens, sample=options.requests, seed=options.seed,
+                              categories=options.workload_category or None)
+    if options.arrivals == "recorded" and any(p.arrival_s is None for p in traffic.prompts):
+        raise ValueError(f"--arrivals recorded replays a request log's timestamps, and --workload {options.workload} has none: "
+                         "give a log whose lines carry a timestamp, or --arrivals poisson")
+    return traffic
+
+
+def _load_spec(p: wl.Prompt, max_tokens: int) -> gate_client.RequestSpec:
+    """A paired-round request: the prompt's own length and sampling where its source gives them (a replayed log)."""
+    sampling = dict(p.sampling)
+    return gate_client.RequestSpec(
+        p.id, p.category, p.prompt, p.max_tokens or max_tokens, temperature=float(sampling.get("temperature", 0.0)),
+        seed=sampling.get("seed"), ignore_eos=bool(sampling.get("ignore_eos", True)),
+        stop=[sampling["stop"]] if isinstance(sampling.get("stop"), str) else sampling.get("stop"),
+        top_p=sampling.get("top_p"), top_k=sampling.get("top_k"), arrival_s=p.arrival_s,
+    )
+
+
+def make_plan(options: GateOptions, tokenizer: Any = None) -> Plan:
+    traffic = load_workload(options, tokenizer)
+    prompts = traffic.prompts
     math_items = wl.load_math(options.math)[: options.math_items]
     by_category: dict[str, list[gate_client.RequestSpec]] = {}
-    for p in prompts:  # the greedy phase is long enough to show a divergence that a short one hides
-        by_category.setdefault(p.category, []).append(gate_client.RequestSpec(p.id, p.category, p.prompt, p.max_tokens or options.greedy_tokens))
-    load = [gate_client.RequestSpec(p.id, p.category, p.prompt, p.max_tokens or options.max_tokens) for p in prompts]
+    for p in prompts:  # greedy and long enough to show a divergence that a short one hides, whatever the traffic's lengths
+        by_category.setdefault(p.category, []).append(gate_client.RequestSpec(p.id, p.category, p.prompt, options.greedy_tokens))
+    load = [_load_spec(p, options.max_tokens) for p in prompts]
     math_specs = [gate_client.RequestSpec(m.id, "math-set", quality.math_prompt(m), 12, ignore_eos=False, stop=["\n"]) for m in math_items]
     sample = []
     for i in range(options.sample_prompts):  # more samples than prompts: each prompt again with another seed
         p = prompts[i % len(prompts)]
         sample.append(gate_client.RequestSpec(f"{p.id}#{i // len(prompts)}", p.category, p.prompt, options.sample_tokens, temperature=1.0,
                                               seed=options.seed * 7919 + i))
-    return Plan(by_category, load, math_specs, sample, math_items, {p.id: p.category for p in prompts}, {s.prompt_id: s.prompt for s in sample})
+    return Plan(by_category, load, math_specs, sample, math_items, {p.id: p.category for p in prompts}, {s.prompt_id: s.prompt for s in sample},
+                traffic=traffic_summary(traffic, load, tokenizer), recorded=options.arrivals == "recorded")
+
+
+def traffic_summary(traffic: wl.Traffic, load: list[gate_client.RequestSpec], tokenizer: Any) -> dict[str, Any]:
+    """The workload at a glance for the report: its source, what was left out and why, every request's prompt and
+    output tokens (their quantiles), the category mix."""
+    count = (lambda text: len(tokenizer(text)["input_ids"])) if tokenizer is not None else None
+    described = wl.describe(traffic, count)
+    prompt_tokens = [(count or wl.estimate_tokens)(p.prompt) for p in traffic.prompts]
+    output_tokens = [spec.max_tokens for spec in load]
+    return {**described, "prompts": len(traffic.prompts), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+            "quantiles": {"prompt_tokens": described["prompt_tokens"], "output_tokens": wl.quantiles(output_tokens)}}
 
 
 # ------------------------------------------------------------------------------------------ servers
@@ -247,6 +310,7 @@ class Gate:
                 run.per_category[category] = window.to_dict() if window else None
                 run.per_category_latency[category] = gate_client.summarise(outcome)
                 run.greedy.update({r.prompt_id: r.text for r in outcome.ok})
+                run.greedy_tpot.update({r.prompt_id: r.tpot_s for r in outcome.ok if r.tpot_s})
             outcome, _ = await self.phase(server, "math", plan.math, level, advance)
             run.math_outputs = {r.prompt_id: r.text for r in outcome.ok}
             outcome, _ = await self.phase(server, "sample", plan.sample, level, advance)
@@ -311,6 +375,11 @@ class Gate:
 
     def poisson_qps(self) -> float:
         """--qps, else QPS_FRACTION of the baseline's capacity at the target concurrency (requests/s it completed)."""
+        if self.plan.recorded:
+            qps = len(self.plan.load) / rounds.replay_period_s(self.plan.load)
+            self.notes.append(f"open-loop rounds replay the log's own arrivals ({len(self.plan.load)} requests, {qps:.3g} requests/s on average) "
+                              "in its order; the criteria named 'under Poisson' judge them")
+            return qps
         if self.options.qps:
             return self.options.qps
         target = f"c{self.options.judged_concurrency}"
@@ -349,7 +418,8 @@ class Gate:
             if load.closed:
                 done, before, after = await rounds.closed_round(server.target, load, sequence, block, window_s)
             else:
-                done, before, after = await rounds.open_round(server.target, load, sequence, block, window_s, self.options.seed)
+                done, before, after = await rounds.open_round(server.target, load, self.plan.load if self.plan.recorded else sequence, block, window_s,
+                                                              self.options.seed, recorded=self.plan.recorded)
         except rounds.ServerGone as exc:
             server.run.failure = f"{server.endpoint.exit_description()} during paired round {block} at {load.name} ({exc})"
             self.log(f"{server.run.name}: {server.run.failure}")
@@ -386,7 +456,7 @@ class Gate:
         await self.read_memory([BASELINE, *names])
         for name in names:
             self.screening[name] = decision.decide_config(self.runs[BASELINE], self.runs[name], SCREEN, stage["loads"], self.quality(name),
-                                                          self.options, stats.LEVEL)
+                                                          self.options, stats.LEVEL, categories=self.plan.categories)
         return first_block + self.options.rounds
 
     async def sequential(self, name: str, stage: str = CONFIRM) -> decision.ConfigDecision:
@@ -420,7 +490,8 @@ class Gate:
 
     async def decide(self, name: str, stage: str, loads: list[rounds.Load], level: float) -> decision.ConfigDecision:
         await self.read_memory([BASELINE, name])
-        decided = decision.decide_config(self.runs[BASELINE], self.runs[name], stage, [x.name for x in loads], self.quality(name), self.options, level)
+        decided = decision.decide_config(self.runs[BASELINE], self.runs[name], stage, [x.name for x in loads], self.quality(name), self.options, level,
+                                         categories=self.plan.categories)
         if stage == CONFIRM:
             self.confirmation = decided
         else:
@@ -572,15 +643,16 @@ def memory_groups(profiles: list[launch.LaunchProfile], baseline_rss_mib: float 
     return [profiles[i : i + size] for i in range(0, len(profiles), size)]
 
 
-def run_gate(options: GateOptions, *, progress: Any = None, after_phase: PhaseHook | None = None,
+def run_gate(options: GateOptions, *, plan: Plan | None = None, progress: Any = None, after_phase: PhaseHook | None = None,
              log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Measure, decide and write the report; the report (also report.json)."""
+    """Measure, decide and write the report; the report (also report.json). `plan`: make_plan's, when the caller
+    made it already (to refuse a bad workload before any progress display)."""
     from specgate.gate import report as gate_report
 
     options.validate()
     check_out_dir(options.out)
     started = time.perf_counter()
-    gate = Gate(options, make_plan(options), progress, log, after_phase)
+    gate = Gate(options, plan or make_plan(options, target_tokenizer(options.target)), progress, log, after_phase)
     asyncio.run(gate.main())
     perplexity = None
     if gate.scorer is not None:

@@ -154,6 +154,11 @@ def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, handle.get_tensor(key)
 
 
+def load_tokenizer(path: Path, **kwargs: Any) -> Any:
+    """The tokenizer saved in a local directory (or, with gguf_file=NAME, read from that GGUF); no download."""
+    return _load_tokenizer(path, **kwargs)
+
+
 def _load_tokenizer(path: Path, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer
 

@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specgate import chat
 from specgate.sampling import SamplingParams
 from specgate.serving.metrics import CONTENT_TYPE_LATEST
 from specgate.serving.scheduler import QueueFullError, Request, RequestTooLongError, Scheduler, ServerDrainingError
@@ -528,17 +529,18 @@ class OpenAIServer:
         return await self.run(http, request, body, chat=False)
 
     async def chat_completions(self, body: ChatBody, http: HTTPRequest) -> Response:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(
-                400, f"the model '{self.model_name}' has no chat template: use /v1/completions with a plain prompt", "messages",
-                "chat_template_missing",
-            )
+        """Messages through the model's chat template, or through specgate.chat's plain turn format where it has
+        none (a base model): then the text is tokenized as a completion's prompt, so the gate's clients, which send
+        every engine the same rendered text on /v1/completions, and this endpoint give the model the same tokens."""
         messages = chat_messages(body)
+        templated = chat.has_chat_template(self.tokenizer)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = chat.render(self.tokenizer, messages)
+        except ValueError as exc:  # the plain format's roles
+            raise APIError(400, str(exc), "messages") from None
         except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
             raise APIError(422, f"the chat template rejected the messages: {exc}", "messages") from None
-        prompt_ids = self.tokenizer(self.check_prompt_chars(text, "messages"), add_special_tokens=False)["input_ids"]
+        prompt_ids = self.tokenizer(self.check_prompt_chars(text, "messages"), add_special_tokens=not templated)["input_ids"]
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if max_tokens is None:  # chat default (vLLM's): whatever room the slot has left
             max_tokens = max(self.scheduler.max_seq_len - len(prompt_ids), 1)
