@@ -146,3 +146,18 @@ def test_the_report_renders_the_per_category_table_and_the_traffic_section(tmp_p
         assert "## Traffic" in md and "skipped: longer than --max-seq-len: 2" in md
         assert "- Prompt tokens: p10 30, p50 70, p90 200, max 200." in md and "code 6 (27%)" in md
         assert "id='plot-traffic'" in page and "id='traffic'" in page
+
+
+def test_per_response_counts_give_the_category_ar_an_interval_over_its_prompts():
+    """Where responses carry `timings` (specgate, llama.cpp), AR per category is accepted / drafted pooled over the
+    category's prompts with a bootstrap interval over them; without them it stays the counters' point figure."""
+    base, spec = with_greedy_phase(*good_pair())
+    for pid, category in categories().items():
+        k = int(pid.rsplit("-", 1)[1])
+        if category == "code":
+            spec.greedy_drafts[pid] = (40, 20 + (k % 3))  # 20-22 of 40 accepted per prompt
+    by = {a.category: a for a in decision.analyse_categories(base, spec, categories(), options(), 0.95)}
+    ar = by["code"].acceptance.ar
+    assert ar.estimate == pytest.approx(sum(20 + (k % 3) for k in range(PROMPTS)) / (40 * PROMPTS)) and ar.n == PROMPTS
+    assert 0.45 < ar.low < ar.estimate < ar.high < 0.6
+    assert math.isinf(by["prose"].acceptance.ar.high)  # counters only: a point figure

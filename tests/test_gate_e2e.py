@@ -88,6 +88,8 @@ def test_embedded_report_structure_and_files(embedded_run):
     assert spec["spec_total"]["flavour"] == "specgate" and spec["spec_total"]["num_draft_tokens"] > 0
     acceptance = report["configs"]["ngram"]["acceptance"]
     assert acceptance["source"] == "counters" and acceptance["ar"] == spec["spec_total"]["acceptance_rate"]
+    check = acceptance["fixed_work_check"]  # specgate's per-response `timings` summed == its counters, same requests
+    assert check["timings_ar"] is not None and check["counters_ar"] == pytest.approx(check["timings_ar"])
     assert len(acceptance["per_position"]) == 3 and all(0 <= r <= 1 for r in acceptance["per_position"])
     assert set(spec["per_category"]) == {"code", "prose", "grounded", "math"}
     assert report["measurements"]["baseline"]["spec_total"]["num_draft_tokens"] == 0

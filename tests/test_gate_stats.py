@@ -125,3 +125,14 @@ def test_looks_are_planned_from_the_blocks_the_budget_holds():
     assert planned_looks(4, 100.0, 35.0, done=1, spent_s=20.0) == [4]  # the budget holds fewer than --rounds
     assert planned_looks(4, 400.0, 35.0, done=1, spent_s=20.0) == [4, 6, 8, 10, 11]
     assert planned_looks(2, 60.0, 10.0) == [2, 4, 6]
+
+
+def test_ratio_of_sums_resamples_whole_units():
+    """The pooled rate is sum / sum (not a mean of ratios); its interval covers the pooled rate, narrows with more
+    units, and is unbounded from one unit."""
+    accepted, drafted = [5, 1, 9, 3], [10, 10, 12, 6]
+    one = stats.ratio_of_sums(accepted, drafted, seed=0)
+    assert one.estimate == pytest.approx(18 / 38) and one.low < one.estimate < one.high and one.n == 4
+    many = stats.ratio_of_sums(accepted * 8, drafted * 8, seed=0)
+    assert many.high - many.low < one.high - one.low
+    assert stats.ratio_of_sums([3], [4]).low == -math.inf and stats.ratio_of_sums([0], [0]) is None

@@ -398,7 +398,8 @@ class CategoryAnalysis:
 def analyse_categories(baseline: ConfigRun, run: ConfigRun, categories: dict[str, str], options: GateOptions,
                        level: float) -> list[CategoryAnalysis]:
     """Per category (categories: prompt id -> category): the decode speedup paired by prompt (stats.paired_ratio on
-    ConfigRun.greedy_tpot), AR / AL / alpha / c / alpha_min from the category's counter window, and the rule there.
+    ConfigRun.greedy_tpot), AR / AL / alpha / c / alpha_min from the category's counter window (AR with a bootstrap
+    interval over its prompts where the responses carry per-request counts), and the rule there.
 
     The paired rounds mix categories, so the greedy phase is where a category stands alone. Its prompts ran in one
     batch: the interval holds the prompt-to-prompt spread, not the drift between runs that the rounds' intervals hold."""
@@ -412,7 +413,11 @@ def analyse_categories(baseline: ConfigRun, run: ConfigRun, categories: dict[str
         figures = accounting(*counts, 1.0 / speedup.estimate if speedup else None) if counts else {}
         state, reason = _category_rule(speedup, options.margin)
         prompts = len(ids) or int((run.per_category_latency.get(name) or {}).get("requests") or 0)
-        out.append(CategoryAnalysis(name, prompts, len(pairs), level, speedup, _point_acceptance(figures, level), state, reason))
+        acceptance = _point_acceptance(figures, level)
+        drafts = [run.greedy_drafts[p] for p in ids if p in run.greedy_drafts]
+        if drafts:  # per-response counts (`timings`): AR's interval from resampling the category's prompts
+            acceptance.ar = stats.ratio_of_sums([a for _, a in drafts], [d for d, _ in drafts], level, seed=options.seed)
+        out.append(CategoryAnalysis(name, prompts, len(pairs), level, speedup, acceptance, state, reason))
     return out
 
 

@@ -46,6 +46,7 @@ class ConfigRun:
     phases: list[dict[str, Any]] = field(default_factory=list)  # fixed-work phases: {name, wall_s, failed}
     greedy: dict[str, str] = field(default_factory=dict)  # prompt id -> greedy text (batched at --max-num-seqs)
     greedy_tpot: dict[str, float] = field(default_factory=dict)  # prompt id -> TPOT (s) of its greedy request: speedup per category
+    greedy_drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # prompt id -> (drafted, accepted) of its greedy request, where the engine says (`timings`)
     per_category: dict[str, dict | None] = field(default_factory=dict)  # category -> counter window of its greedy phase
     per_category_latency: dict[str, dict] = field(default_factory=dict)
     math_outputs: dict[str, str] = field(default_factory=dict)
@@ -76,6 +77,6 @@ class ConfigRun:
             "per_category": self.per_category, "per_category_latency": self.per_category_latency, "memory": self.memory,
             "spec_total": total.to_dict() if total else None, "timings_total": self.timings, "server": self.server,
             "windows": [w.to_dict() for w in self.windows],
-            "greedy": self.greedy, "greedy_tpot": self.greedy_tpot, "math_outputs": self.math_outputs, "samples": self.samples,
+            "greedy": self.greedy, "greedy_tpot": self.greedy_tpot, "greedy_drafts": self.greedy_drafts, "math_outputs": self.math_outputs, "samples": self.samples,
             "scores": {k: v.__dict__ for k, v in self.scores.items()},
         }

@@ -7,6 +7,8 @@ every criterion is decided from one with `State`: PASS, FAIL, or UNDECIDED when 
   independent units: requests inside one window share its machine state.
 - `bootstrap_percentile_difference`: a latency percentile of two request samples, resampling whole requests
   within each round (stratified), so a slow round cannot be mistaken for slow requests.
+- `ratio_of_sums`: a pooled rate over units (accepted / drafted tokens over a category's prompts), resampling whole
+  units.
 - `paired_proportion_difference`: Tango's score interval for a paired difference of proportions (exact match of
   the same items by two configurations); it stays honest with no discordant pair, where a Wald or bootstrap
   interval collapses to [0, 0].
@@ -128,6 +130,24 @@ def bootstrap_percentile_difference(
     diffs = a.percentile(q, a.multiplicities(rng, resamples)) - b.percentile(q, b.multiplicities(rng, resamples))
     tail = (1.0 - level) / 2.0 * 100.0
     return Interval(float(estimate), float(np.percentile(diffs, tail)), float(np.percentile(diffs, 100.0 - tail)), level, a.requests + b.requests)
+
+
+def ratio_of_sums(numerators: Sequence[float], denominators: Sequence[float], level: float = LEVEL, seed: int = 0,
+                  resamples: int = BOOTSTRAP_RESAMPLES) -> Interval | None:
+    """sum(numerators) / sum(denominators) over units (e.g. accepted / drafted tokens over prompts), with a
+    percentile-bootstrap interval from resampling whole units. None when the denominators sum to 0; an infinite
+    interval from one unit."""
+    a, b = np.asarray(numerators, dtype=float), np.asarray(denominators, dtype=float)
+    if a.size == 0 or b.sum() <= 0:
+        return None
+    estimate = float(a.sum() / b.sum())
+    if a.size == 1:
+        return Interval(estimate, -math.inf, math.inf, level, 1)
+    picks = np.random.default_rng(seed).integers(0, a.size, size=(resamples, a.size))
+    sums = b[picks].sum(axis=1)
+    ratios = a[picks].sum(axis=1)[sums > 0] / sums[sums > 0]
+    tail = (1.0 - level) / 2.0 * 100.0
+    return Interval(estimate, float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100.0 - tail)), level, int(a.size))
 
 
 def percentile_of(groups: Sequence[Sequence[np.ndarray]], q: float) -> float | None:

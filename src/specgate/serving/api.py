@@ -22,7 +22,7 @@ traceback, and no input gives a 500 (500 means the engine itself failed on a req
   504  the request ran past the server's per-request timeout (--request-timeout-s); a stream gets an error
        event instead, then [DONE].
 Other unknown fields are ignored (vLLM's behaviour). Extensions beyond OpenAI's fields (vLLM's names): top_k
-(0 or -1 = off), ignore_eos. max_tokens defaults to 16 for completions (OpenAI) and to the slot's remaining
+(0 or -1 = off), ignore_eos; beside `usage`, a response carries llama.cpp's `timings` {draft_n, draft_n_accepted}. max_tokens defaults to 16 for completions (OpenAI) and to the slot's remaining
 room for chat (vLLM). A temperature below 1e-5 is greedy (vLLM's rule: dividing logits by it overflows).
 """
 
@@ -289,6 +289,12 @@ def usage(request: Request) -> dict[str, int]:
     return {"prompt_tokens": request.prompt_len, "completion_tokens": completion, "total_tokens": request.prompt_len + completion}
 
 
+def timings(request: Request) -> dict[str, int]:
+    """This request's drafted and accepted tokens, under llama.cpp's per-response names (`timings.draft_n`,
+    `draft_n_accepted`): a client can read acceptance per request, which the Prometheus counters pool."""
+    return {"draft_n": request.stats.drafted_tokens, "draft_n_accepted": request.stats.accepted_tokens}
+
+
 class Completion:
     """The response objects of one completion (chat or text): stream chunks as server-sent events, and the whole
     answer."""
@@ -311,14 +317,15 @@ class Completion:
         return f"data: {json.dumps(self._object([choice]))}\n\n"
 
     def usage_chunk(self, request: Request) -> str:
-        return f"data: {json.dumps(self._object([], usage=usage(request)))}\n\n"
+        return f"data: {json.dumps(self._object([], usage=usage(request), timings=timings(request)))}\n\n"
 
     def answer(self, request: Request, reason: str) -> JSONResponse:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": request.text}, "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": request.text, "finish_reason": reason, "logprobs": None}
-        return JSONResponse({"id": self.ident, "object": self.kind, "created": int(time.time()), "model": self.model_name, "choices": [choice], "usage": usage(request)})
+        return JSONResponse({"id": self.ident, "object": self.kind, "created": int(time.time()), "model": self.model_name, "choices": [choice], "usage": usage(request),
+                             "timings": timings(request)})
 
 
 async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
