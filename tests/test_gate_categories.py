@@ -136,7 +136,7 @@ def test_the_report_renders_the_per_category_table_and_the_traffic_section(tmp_p
     assert saved["recommendation"]["category_summary"]["loses"] == ["prose"] and saved["traffic"] == traffic
     assert [a["state"] for a in saved["configs"]["ngram"]["categories"]] == ["pays", "loses", "within noise", "n/a"]
     md, page = (tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text()
-    assert "## Per category (`ngram`)" in md and "| category | prompts | AR | AL | decode speedup [interval] | state | reason |" in md
+    assert "## Per category (`ngram`)" in md and "| category | prompts | AR | AL | alpha | decode speedup [interval] | state | reason |" in md
     prose = next(line for line in md.splitlines() if line.startswith("| prose |"))
     assert "| 6 | 0.5 | 3 |" in prose and "| loses |" in prose and "upper bound" in prose
     assert "the categories that lose (prose) pay for the others" in md and "id='categories'" in page
@@ -148,16 +148,25 @@ def test_the_report_renders_the_per_category_table_and_the_traffic_section(tmp_p
         assert "id='plot-traffic'" in page and "id='traffic'" in page
 
 
-def test_per_response_counts_give_the_category_ar_an_interval_over_its_prompts():
+def test_per_response_counts_give_the_category_acceptance_intervals_over_its_prompts():
     """Where responses carry `timings` (specgate, llama.cpp), AR per category is accepted / drafted pooled over the
-    category's prompts with a bootstrap interval over them; without them it stays the counters' point figure."""
+    category's prompts with a bootstrap interval over them, and where they count drafts (specgate) AL and alpha too;
+    without them the counters' point figures stay."""
     base, spec = with_greedy_phase(*good_pair())
     for pid, category in categories().items():
         k = int(pid.rsplit("-", 1)[1])
         if category == "code":
-            spec.greedy_drafts[pid] = (40, 20 + (k % 3))  # 20-22 of 40 accepted per prompt
+            spec.greedy_drafts[pid] = (40, 20 + (k % 3), 10)  # 20-22 of 40 accepted per prompt, in 10 drafts of 4
+        elif category == "mixed":
+            spec.greedy_drafts[pid] = (40, 20, 0)  # an engine that does not count drafts (llama.cpp): AR only
     by = {a.category: a for a in decision.analyse_categories(base, spec, categories(), options(), 0.95)}
-    ar = by["code"].acceptance.ar
-    assert ar.estimate == pytest.approx(sum(20 + (k % 3) for k in range(PROMPTS)) / (40 * PROMPTS)) and ar.n == PROMPTS
-    assert 0.45 < ar.low < ar.estimate < ar.high < 0.6
+    code = by["code"].acceptance
+    accepted = sum(20 + (k % 3) for k in range(PROMPTS))
+    assert code.ar.estimate == pytest.approx(accepted / (40 * PROMPTS)) and code.ar.n == PROMPTS
+    assert 0.45 < code.ar.low < code.ar.estimate < code.ar.high < 0.6
+    assert code.al.estimate == pytest.approx(1 + accepted / (10 * PROMPTS)) and code.al.low < code.al.estimate < code.al.high
+    assert code.draft_len == 4 and code.alpha.estimate == pytest.approx(decision.alpha_from_al(code.al.estimate, 4))
+    assert code.alpha.low < code.alpha.estimate < code.alpha.high
+    mixed = by["mixed"].acceptance
+    assert mixed.ar.estimate == pytest.approx(0.5) and not math.isfinite(mixed.al.high)  # AL from the counters: a point figure
     assert math.isinf(by["prose"].acceptance.ar.high)  # counters only: a point figure

@@ -66,6 +66,7 @@ class RequestRecord:
     block: int | None = None  # the paired round (block) of a measured window
     draft_tokens: int | None = None  # from the response's `timings` (llama.cpp: draft_n), where the engine sends them
     accepted_tokens: int | None = None  # (llama.cpp: draft_n_accepted)
+    draft_steps: int | None = None  # the request's drafts (specgate's `timings.draft_steps`; llama.cpp sends none)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -195,6 +196,8 @@ def read_timings(timings: Any, record: RequestRecord) -> None:
     if isinstance(timings, dict) and "draft_n" in timings:
         record.draft_tokens = int(timings["draft_n"])
         record.accepted_tokens = int(timings.get("draft_n_accepted", 0))
+        if "draft_steps" in timings:
+            record.draft_steps = int(timings["draft_steps"])
 
 
 def sum_timings(records: Sequence[RequestRecord]) -> dict[str, int] | None:

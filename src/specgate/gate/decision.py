@@ -415,10 +415,27 @@ def analyse_categories(baseline: ConfigRun, run: ConfigRun, categories: dict[str
         prompts = len(ids) or int((run.per_category_latency.get(name) or {}).get("requests") or 0)
         acceptance = _point_acceptance(figures, level)
         drafts = [run.greedy_drafts[p] for p in ids if p in run.greedy_drafts]
-        if drafts:  # per-response counts (`timings`): AR's interval from resampling the category's prompts
-            acceptance.ar = stats.ratio_of_sums([a for _, a in drafts], [d for d, _ in drafts], level, seed=options.seed)
+        if drafts:  # per-response counts (`timings`): intervals from resampling the category's prompts
+            _per_prompt_acceptance(acceptance, drafts, level, options.seed)
         out.append(CategoryAnalysis(name, prompts, len(pairs), level, speedup, acceptance, state, reason))
     return out
+
+
+def _per_prompt_acceptance(acceptance: Acceptance, drafts: list[tuple[int, int, int]], level: float, seed: int) -> None:
+    """AR = accepted / drafted tokens pooled over the prompts, and where the responses count drafts (specgate) AL =
+    1 + accepted / drafts and the alpha it implies at the pooled draft length, each with a bootstrap interval over
+    prompts (alpha's from AL's bounds: alpha_from_al is increasing in AL)."""
+    acceptance.ar = stats.ratio_of_sums([a for _, a, _ in drafts], [g for g, _, _ in drafts], level, seed=seed)
+    if not all(d > 0 for _, _, d in drafts):
+        return
+    per_draft = stats.ratio_of_sums([a for _, a, _ in drafts], [d for _, _, d in drafts], level, seed=seed)
+    if per_draft is None:
+        return
+    acceptance.al = Interval(1.0 + per_draft.estimate, 1.0 + per_draft.low, 1.0 + per_draft.high, level, per_draft.n)
+    g = sum(x for x, _, _ in drafts) / sum(d for _, _, d in drafts)
+    bound = lambda al: alpha_from_al(al, g) if math.isfinite(al) else (0.0 if al < 0 else 1.0)  # noqa: E731
+    acceptance.alpha = Interval(bound(acceptance.al.estimate), bound(acceptance.al.low), bound(acceptance.al.high), level, per_draft.n)
+    acceptance.draft_len = g
 
 
 def _category_counts(window: dict[str, Any] | None, latency: dict[str, Any] | None) -> tuple[float, float, float, float] | None:

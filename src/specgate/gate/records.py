@@ -46,7 +46,7 @@ class ConfigRun:
     phases: list[dict[str, Any]] = field(default_factory=list)  # fixed-work phases: {name, wall_s, failed}
     greedy: dict[str, str] = field(default_factory=dict)  # prompt id -> greedy text (batched at --max-num-seqs)
     greedy_tpot: dict[str, float] = field(default_factory=dict)  # prompt id -> TPOT (s) of its greedy request: speedup per category
-    greedy_drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # prompt id -> (drafted, accepted) of its greedy request, where the engine says (`timings`)
+    greedy_drafts: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # prompt id -> (drafted, accepted, drafts; 0: not sent) of its greedy request (`timings`)
     per_category: dict[str, dict | None] = field(default_factory=dict)  # category -> counter window of its greedy phase
     per_category_latency: dict[str, dict] = field(default_factory=dict)
     math_outputs: dict[str, str] = field(default_factory=dict)

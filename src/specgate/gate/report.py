@@ -182,7 +182,7 @@ def _point(d: dict[str, Any] | None) -> str:
 
 def category_rows(config: dict[str, Any]) -> list[list[str]]:
     return [[a["category"], str(a["prompts"]), _point(a["acceptance"].get("ar")), _point(a["acceptance"].get("al")),
-             _iv(a["decode_speedup"]), a["state"], a["reason"]] for a in config.get("categories") or []]
+             _point(a["acceptance"].get("alpha")), _iv(a["decode_speedup"]), a["state"], a["reason"]] for a in config.get("categories") or []]
 
 
 def category_lines(report: dict[str, Any]) -> list[str]:
@@ -222,7 +222,7 @@ def traffic_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-CATEGORY_HEADER = ["category", "prompts", "AR", "AL", "decode speedup [interval]", "state", "reason"]
+CATEGORY_HEADER = ["category", "prompts", "AR", "AL", "alpha", "decode speedup [interval]", "state", "reason"]
 LOAD_HEADER = ["load", "speculating", "rounds", "throughput ratio", "predicted S (decode)", "alpha", "alpha_min", "c", "g", "schedule gamma", "rule"]
 CRITERIA_HEADER = ["criterion", "load", "estimate [interval]", "threshold", "result", "why"]
 

@@ -311,7 +311,7 @@ class Gate:
                 run.per_category_latency[category] = gate_client.summarise(outcome)
                 run.greedy.update({r.prompt_id: r.text for r in outcome.ok})
                 run.greedy_tpot.update({r.prompt_id: r.tpot_s for r in outcome.ok if r.tpot_s})
-                run.greedy_drafts.update({r.prompt_id: (r.draft_tokens, r.accepted_tokens or 0) for r in outcome.ok if r.draft_tokens})
+                run.greedy_drafts.update({r.prompt_id: (r.draft_tokens, r.accepted_tokens or 0, r.draft_steps or 0) for r in outcome.ok if r.draft_tokens})
             outcome, _ = await self.phase(server, "math", plan.math, level, advance)
             run.math_outputs = {r.prompt_id: r.text for r in outcome.ok}
             outcome, _ = await self.phase(server, "sample", plan.sample, level, advance)

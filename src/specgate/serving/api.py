@@ -22,7 +22,7 @@ traceback, and no input gives a 500 (500 means the engine itself failed on a req
   504  the request ran past the server's per-request timeout (--request-timeout-s); a stream gets an error
        event instead, then [DONE].
 Other unknown fields are ignored (vLLM's behaviour). Extensions beyond OpenAI's fields (vLLM's names): top_k
-(0 or -1 = off), ignore_eos; beside `usage`, a response carries llama.cpp's `timings` {draft_n, draft_n_accepted}. max_tokens defaults to 16 for completions (OpenAI) and to the slot's remaining
+(0 or -1 = off), ignore_eos; beside `usage`, a response carries llama.cpp's `timings` {draft_n, draft_n_accepted} and specgate's draft_steps. max_tokens defaults to 16 for completions (OpenAI) and to the slot's remaining
 room for chat (vLLM). A temperature below 1e-5 is greedy (vLLM's rule: dividing logits by it overflows).
 """
 
@@ -291,8 +291,9 @@ def usage(request: Request) -> dict[str, int]:
 
 def timings(request: Request) -> dict[str, int]:
     """This request's drafted and accepted tokens, under llama.cpp's per-response names (`timings.draft_n`,
-    `draft_n_accepted`): a client can read acceptance per request, which the Prometheus counters pool."""
-    return {"draft_n": request.stats.drafted_tokens, "draft_n_accepted": request.stats.accepted_tokens}
+    `draft_n_accepted`), and its drafts (`draft_steps`, specgate's): a client can read acceptance rate and length per
+    request, which the Prometheus counters pool."""
+    return {"draft_n": request.stats.drafted_tokens, "draft_n_accepted": request.stats.accepted_tokens, "draft_steps": request.stats.num_drafts}
 
 
 class Completion:
