@@ -17,7 +17,7 @@ import pytest
 from gate_helpers import check_verdicts_follow_the_rule, criterion
 
 CHEAP = dict(concurrency=[1, 2], target_concurrency=2, per_category=2, max_tokens=16, greedy_tokens=16, math_items=8, sample_prompts=4,
-             sample_tokens=8, max_num_seqs=2, max_seq_len=256, round_s=0.6, rounds=4, budget_s=15.0, margin=0.1)
+             sample_tokens=8, max_num_seqs=2, max_seq_len=256, round_s=1.0, rounds=6, budget_s=40.0, margin=0.1)  # tiny-model rounds swing with the host
 
 
 def serve(target: Path) -> str:
