@@ -144,12 +144,17 @@ def target_tokenizer(target: str) -> Any:
     return None
 
 
+def token_counter(tokenizer: Any) -> Callable[[str], int] | None:
+    """The target's token count of a text (None without a tokenizer: the workload estimates)."""
+    return (lambda text: len(tokenizer(text)["input_ids"])) if tokenizer is not None else None
+
+
 def load_workload(options: GateOptions, tokenizer: Any) -> wl.Traffic:
     """--workload as prompts: the built-in set balanced by category, any other source through workload.load_traffic
     (chat turns rendered as the target's servers render them, so every engine gets the same text)."""
     from specgate import chat
 
-    count = (lambda text: len(tokenizer(text)["input_ids"])) if tokenizer is not None else None
+    count = token_counter(tokenizer)
     if options.workload == wl.BUILTIN and options.arrivals != "recorded":
         traffic = wl.load_traffic(wl.BUILTIN, count_tokens=count, max_context=options.max_seq_len, max_tokens=options.max_tokens,
                                   categories=options.workload_category or None)
@@ -195,7 +200,7 @@ def make_plan(options: GateOptions, tokenizer: Any = None) -> Plan:
 def traffic_summary(traffic: wl.Traffic, load: list[gate_client.RequestSpec], tokenizer: Any) -> dict[str, Any]:
     """The workload at a glance for the report: its source, what was left out and why, every request's prompt and
     output tokens (their quantiles), the category mix."""
-    count = (lambda text: len(tokenizer(text)["input_ids"])) if tokenizer is not None else None
+    count = token_counter(tokenizer)
     described = wl.describe(traffic, count)
     prompt_tokens = [(count or wl.estimate_tokens)(p.prompt) for p in traffic.prompts]
     output_tokens = [spec.max_tokens for spec in load]
